@@ -1,0 +1,3 @@
+from kvsvc.cli import main
+
+raise SystemExit(main())

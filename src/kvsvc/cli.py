@@ -1,0 +1,71 @@
+"""The ``kvsvc`` command: ``serve``, ``demo`` and ``failpoints``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvsvc import __version__
+from kvsvc.config import add_server_arguments, config_from_args
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvsvc",
+        description="kvsvc: moves LLM KV-cache blocks between engine workers and a cache server",
+    )
+    parser.add_argument("--version", action="version", version=f"kvsvc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the kvsvc server. Every flag has a KVSVC_* environment equivalent.",
+    )
+    add_server_arguments(serve)
+
+    sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        config = config_from_args(args)
+        setup_logging(config.log_level, config.log_format)
+        from kvsvc.server import serve as run_server
+
+        return asyncio.run(run_server(config))
+    if args.command == "failpoints":
+        from kvsvc import failpoints
+
+        print("Set KVSVC_FAILPOINTS='name=[TAG@][P*]ACTION;...' before the server starts.")
+        print("Actions: raise, sleep(MS), hang, panic.\n")
+        for name, where in failpoints.POINTS.items():
+            print(f"  {name:24} {where}")
+        return 0
+    parser.error(f"unknown command {args.command}")
+    return 2

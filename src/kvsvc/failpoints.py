@@ -1,0 +1,85 @@
+"""Named fault-injection points in the real code paths (like etcd's gofail).
+
+Inert unless the environment variable ``KVSVC_FAILPOINTS`` is set when the
+process starts, e.g. ``transfer.before_copy=raise;store.put=sleep(2000)``.
+No request can enable one: the table is read once, from the environment.
+
+Actions: ``raise`` (a RuntimeError), ``sleep(MS)``, ``hang`` (blocks the thread
+for good), ``panic`` (raises a BaseException that no handler code expects).
+An action may be prefixed with a probability, ``0.01*raise``, and with a tag
+that limits it to one rank or RPC, ``map.rank=2@raise``, ``handler.enter=Lookup@raise``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+import time
+
+POINTS: dict[str, str] = {
+    "handler.enter": "start of every RPC handler, before dispatch (tag: the RPC name)",
+    "transfer.before_copy": "transfer worker, after the deadline check, before any byte moves",
+    "transfer.copy": "transfer worker, in the middle of a copy (after the first chunk)",
+    "transfer.after_copy": "transfer worker, after the copy, before the reply",
+    "store.put": "chunk store, before a chunk is reserved (event loop)",
+    "map.rank": "Map, before each rank is opened (tag: the rank index)",
+}
+
+_ACTION = re.compile(r"^(?:(?P<p>[0-9.]+)\*)?(?P<name>raise|hang|panic|sleep\((?P<ms>\d+)\))$")
+
+
+class FailpointError(RuntimeError):
+    """Raised by a ``raise`` failpoint."""
+
+
+class FailpointPanic(BaseException):
+    """Raised by a ``panic`` failpoint: not an Exception, like a dying thread."""
+
+
+def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
+    """``name=[TAG@][p*]action;...`` -> {name: (probability, action, ms, tag)}."""
+    table: dict[str, tuple[float, str, int, str]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        name, _, action = item.partition("=")
+        name = name.strip()
+        if name not in POINTS:
+            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(POINTS))}")
+        tag = ""
+        if "@" in action:
+            tag, _, action = action.partition("@")
+        m = _ACTION.match(action.strip())
+        if not m:
+            raise ValueError(f"failpoint {name}: bad action {action!r}")
+        prob = float(m["p"]) if m["p"] else 1.0
+        kind = m["name"].split("(")[0]
+        table[name] = (prob, kind, int(m["ms"] or 0), tag.strip())
+    return table
+
+
+_TABLE = parse(os.environ.get("KVSVC_FAILPOINTS", ""))
+
+
+def active() -> dict[str, tuple[float, str, int, str]]:
+    return dict(_TABLE)
+
+
+def hit(name: str, tag: object = None) -> None:
+    """Run the action configured for ``name``; a no-op (one dict lookup) when inert."""
+    entry = _TABLE.get(name)
+    if entry is None:
+        return
+    prob, kind, ms, only_tag = entry
+    if only_tag and str(tag) != only_tag:
+        return
+    if prob < 1.0 and random.random() >= prob:
+        return
+    if kind == "raise":
+        raise FailpointError(f"failpoint {name} fired")
+    if kind == "sleep":
+        time.sleep(ms / 1000)
+    elif kind == "hang":
+        threading.Event().wait()
+    elif kind == "panic":
+        raise FailpointPanic(f"failpoint {name} panicked")

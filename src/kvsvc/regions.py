@@ -1,0 +1,465 @@
+"""Mapped KV regions: validating an engine's tensor descriptions, opening its
+memory (shared-memory files or CUDA IPC), and the copies between its blocks
+and a chunk's bytes in the store.
+
+A chunk's bytes are, for each rank and each tensor in mapping order, the
+contiguous bytes of ``tensor.index_select(block_dim, block_ids)``; CPU and CUDA
+regions produce the same bytes for the same layout.
+
+Shared-memory regions are copied with ``preadv``/``pwritev`` on the file, not
+through ``mmap``: a client that truncates its file then causes a short read
+(a typed error), never a SIGBUS that would kill the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from kvsvc.errors import InvalidRequest, RegionUnavailable
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+DTYPES: dict[int, torch.dtype] = {
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_UINT8: torch.uint8,
+    pb.DTYPE_INT8: torch.int8,
+    pb.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    pb.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
+}
+DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
+MAX_DIMS = 8
+
+
+def rank_metadata(ctx: pb.RankContext, index: int) -> dict[str, object]:
+    """The context every rank-level error carries (kvcached's lesson: name the rank)."""
+    return {
+        "rankIndex": index,
+        "tpRank": ctx.tp_rank,
+        "tpSize": ctx.tp_size,
+        "ppRank": ctx.pp_rank,
+        "ppSize": ctx.pp_size,
+        "groupId": ctx.group_id,
+    }
+
+
+def rank_label(ctx: pb.RankContext, index: int) -> str:
+    return f"rank {index} (tp_rank={ctx.tp_rank}, pp_rank={ctx.pp_rank}, group={ctx.group_id!r})"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One validated KV tensor: a strided view on a handle, blocks along ``block_dim``."""
+
+    name: str
+    handle_key: str
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    block_dim: int
+
+    @property
+    def elsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[self.block_dim]
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.shape) // self.shape[self.block_dim] * self.elsize
+
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte the view can touch."""
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+        return self.offset + (last + 1) * self.elsize
+
+    def signature(self) -> list[object]:
+        block_shape = [n for i, n in enumerate(self.shape) if i != self.block_dim]
+        return [str(self.dtype), self.block_dim, block_shape]
+
+    def runs(self, block_ids: list[int]) -> Iterator[tuple[int, int]]:
+        """(byte offset in the handle, length) of each contiguous run, in chunk order."""
+        el = self.elsize
+        ndim = len(self.shape)
+        k, expected = ndim, 1
+        for i in reversed(range(ndim)):
+            if i == self.block_dim or self.strides[i] != expected:
+                break
+            expected *= self.shape[i]
+            k = i
+        run_len = math.prod(self.shape[k:]) * el
+        axes = [
+            [b * self.strides[i] for b in block_ids]
+            if i == self.block_dim
+            else [j * self.strides[i] for j in range(self.shape[i])]
+            for i in range(k)
+        ]
+        for parts in itertools.product(*axes):
+            yield self.offset + sum(parts) * el, run_len
+
+
+def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
+    """Validate a tensor description; every fault is INVALID_ARGUMENT with the rank named."""
+    label = t.name or "tensor"
+
+    def bad(msg: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"rank {rank} {label}: {msg}", metadata={"rankIndex": rank, "tensor": label}
+        )
+
+    if t.dtype not in DTYPES:
+        raise bad(f"unsupported dtype {t.dtype}")
+    ndim = len(t.shape)
+    if not 1 <= ndim <= MAX_DIMS:
+        raise bad(f"shape must have 1..{MAX_DIMS} dims, got {ndim}")
+    if len(t.strides) != ndim:
+        raise bad(f"strides has {len(t.strides)} entries for {ndim} dims")
+    if any(n <= 0 for n in t.shape):
+        raise bad(f"shape entries must be > 0, got {list(t.shape)}")
+    if any(s < 0 for s in t.strides):
+        raise bad(f"strides must be >= 0, got {list(t.strides)}")
+    if t.strides[-1] != 1:
+        raise bad("the innermost stride must be 1")
+    if t.block_dim >= ndim:
+        raise bad(f"block_dim {t.block_dim} out of range for {ndim} dims")
+    kind = t.handle.WhichOneof("kind")
+    if kind == "shared_memory":
+        handle_key = "shm:" + t.handle.shared_memory.name
+    elif kind == "cuda_ipc":
+        h = t.handle.cuda_ipc
+        handle_key = f"cuda:{h.device_uuid}:{h.ipc_handle.hex()}:{h.storage_offset_bytes}"
+    else:
+        raise bad("memory handle is not set")
+    layout = TensorLayout(
+        label, handle_key, t.offset_bytes, tuple(t.shape), tuple(t.strides),
+        DTYPES[t.dtype], t.block_dim,
+    )
+    if layout.offset % layout.elsize:
+        raise bad(f"offset {layout.offset} is not a multiple of the element size")
+    if layout.end_bytes > 1 << 50:
+        raise bad("shape x strides overflows any region")
+    return layout
+
+
+def safe_shm_path(shm_dir: str, name: str) -> str:
+    """A plain file name inside ``shm_dir``; anything that could escape it is refused."""
+    if (
+        not name
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name in (".", "..")
+        or len(name) > 255
+    ):
+        raise InvalidRequest(
+            f"shared-memory name {name!r} must be a plain file name inside the shm dir",
+            reason="INVALID_REGION_NAME",
+            metadata={"name": name[:255]},
+        )
+    return os.path.join(shm_dir, name)
+
+
+class ShmRegion:
+    """A client's file under --shm-dir, accessed only by positional read/write."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, shm_dir: str, name: str, need_bytes: int) -> None:
+        path = safe_shm_path(shm_dir, name)
+        # O_NOFOLLOW: a symlink planted under the name cannot redirect us.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidRequest(
+                    f"shared-memory region {name!r} is not a regular file",
+                    reason="INVALID_REGION_NAME",
+                    metadata={"name": name},
+                )
+            if st.st_size < need_bytes:
+                raise RegionUnavailable(
+                    f"shared-memory region {name!r} has {st.st_size} bytes, "
+                    f"its tensors need {need_bytes}",
+                    reason="REGION_TOO_SMALL",
+                    metadata={"name": name, "sizeBytes": st.st_size, "needBytes": need_bytes},
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        self.name = name
+        self.fd = fd
+        self.size = need_bytes
+
+    def read(self, offset: int, dst: memoryview) -> None:
+        done = 0
+        while done < len(dst):
+            n = os.preadv(self.fd, [dst[done:]], offset + done)
+            if n <= 0:
+                raise self._truncated(offset + done)
+            done += n
+
+    def write(self, offset: int, src: memoryview) -> None:
+        done = 0
+        while done < len(src):
+            n = os.pwritev(self.fd, [src[done:]], offset + done)
+            if n <= 0:
+                raise self._truncated(offset + done)
+            done += n
+
+    def _truncated(self, at: int) -> RegionUnavailable:
+        return RegionUnavailable(
+            f"shared-memory region {self.name!r} ends before byte {at}: "
+            "its owner truncated it after Map",
+            reason="REGION_TRUNCATED",
+            metadata={"name": self.name, "offset": at},
+        )
+
+    def synchronize(self) -> None:
+        """File copies are synchronous; nothing is left in flight."""
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def cuda_device_for_uuid(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise RegionUnavailable(
+        f"no visible CUDA device has uuid {uuid}",
+        reason="DEVICE_NOT_FOUND",
+        metadata={"deviceUuid": uuid},
+    )
+
+
+class CudaRegion:
+    """A CUDA allocation opened from torch's IPC handle on the matching device."""
+
+    def __init__(self, h: pb.CudaIpcHandle, need_bytes: int) -> None:
+        if not torch.cuda.is_available():
+            raise RegionUnavailable(
+                "CUDA IPC handle sent to a server without CUDA", reason="DEVICE_NOT_FOUND"
+            )
+        index = cuda_device_for_uuid(h.device_uuid)
+        self.device = torch.device("cuda", index)
+        torch.cuda.set_device(self.device)
+        self.storage = torch.UntypedStorage._new_shared_cuda(
+            index, h.ipc_handle, h.storage_size_bytes, h.storage_offset_bytes,
+            h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required,
+        )
+        if self.storage.nbytes() < need_bytes:
+            raise RegionUnavailable(
+                f"CUDA region has {self.storage.nbytes()} bytes, its tensors need {need_bytes}",
+                reason="REGION_TOO_SMALL",
+                metadata={"sizeBytes": self.storage.nbytes(), "needBytes": need_bytes},
+            )
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.size = need_bytes
+        torch.cuda.synchronize(self.device)
+
+    def view(self, t: TensorLayout) -> torch.Tensor:
+        base = torch.empty(0, dtype=t.dtype, device=self.device)
+        return base.set_(self.storage, t.offset // t.elsize, t.shape, t.strides)
+
+    def synchronize(self) -> None:
+        torch.cuda.set_device(self.device)
+        self.stream.synchronize()
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()
+        del self.storage
+
+
+Region = ShmRegion | CudaRegion
+
+
+@dataclass
+class RankMapping:
+    context: pb.RankContext
+    tensors: list[TensorLayout]
+    regions: dict[str, Region]
+
+    def close(self) -> None:
+        for region in self.regions.values():
+            region.close()
+
+
+def open_rank(
+    rank: pb.RankRegion, index: int, shm_dir: str, cuda_handles: dict[str, pb.CudaIpcHandle]
+) -> RankMapping:
+    """Validate and open one rank's regions; raises with the rank named."""
+    if not rank.tensors:
+        raise InvalidRequest(
+            f"{rank_label(rank.context, index)} has no tensors",
+            metadata=rank_metadata(rank.context, index),
+        )
+    tensors = [parse_tensor(t, index) for t in rank.tensors]
+    blocks = {t.num_blocks for t in tensors}
+    if len(blocks) != 1:
+        raise InvalidRequest(
+            f"{rank_label(rank.context, index)}: tensors disagree on the number of blocks "
+            f"{sorted(blocks)}",
+            metadata=rank_metadata(rank.context, index),
+        )
+    need: dict[str, int] = {}
+    for t in tensors:
+        need[t.handle_key] = max(need.get(t.handle_key, 0), t.end_bytes)
+    regions: dict[str, Region] = {}
+    try:
+        for key, nbytes in need.items():
+            if key.startswith("shm:"):
+                regions[key] = ShmRegion(shm_dir, key[4:], nbytes)
+            else:
+                regions[key] = CudaRegion(cuda_handles[key], nbytes)
+    except BaseException:
+        for region in regions.values():
+            region.close()
+        raise
+    return RankMapping(rank.context, tensors, regions)
+
+
+def cuda_handles_of(rank: pb.RankRegion) -> dict[str, pb.CudaIpcHandle]:
+    out = {}
+    for t in rank.tensors:
+        if t.handle.WhichOneof("kind") == "cuda_ipc":
+            h = t.handle.cuda_ipc
+            out[f"cuda:{h.device_uuid}:{h.ipc_handle.hex()}:{h.storage_offset_bytes}"] = h
+    return out
+
+
+def layout_fingerprint(ranks: list[RankMapping]) -> str:
+    sig = [
+        [[r.context.tp_rank, r.context.tp_size, r.context.pp_rank, r.context.pp_size],
+         [t.signature() for t in r.tensors]]
+        for r in ranks
+    ]
+    return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Mapping:
+    """One engine's mapped ranks: the unit Store/Retrieve copy blocks of."""
+
+    mapping_id: str
+    namespace: str
+    descriptor: bytes  # the MapRequest's ranks, to make re-mapping idempotent
+    ranks: list[RankMapping]
+    num_blocks: int
+    block_bytes: int
+    fingerprint: str
+    closing: bool = False
+    transfers: set[str] = field(default_factory=set)
+
+    @property
+    def is_cuda(self) -> bool:
+        return any(isinstance(r, CudaRegion) for rm in self.ranks for r in rm.regions.values())
+
+    def check_blocks(self, block_ids: list[int], chunk_index: int) -> None:
+        if not block_ids:
+            raise InvalidRequest(
+                f"chunk {chunk_index} lists no blocks", metadata={"chunkIndex": chunk_index}
+            )
+        for b in block_ids:
+            if b >= self.num_blocks:
+                raise InvalidRequest(
+                    f"chunk {chunk_index}: block id {b} out of range [0, {self.num_blocks})",
+                    reason="BLOCK_OUT_OF_RANGE",
+                    metadata={"chunkIndex": chunk_index, "blockId": b,
+                              "numBlocks": self.num_blocks},
+                )
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+    def synchronize(self) -> None:
+        for rank in self.ranks:
+            for region in rank.regions.values():
+                region.synchronize()
+
+    # --- copies (run on transfer threads) ---
+    def _file_ops(self, block_ids: list[int]) -> Iterator[tuple[ShmRegion, int, int, int]]:
+        """Merged (region, region offset, chunk offset, length) for shared-memory copies."""
+        pos = 0
+        for rank in self.ranks:
+            for t in rank.tensors:
+                region = rank.regions[t.handle_key]
+                assert isinstance(region, ShmRegion)
+                cur: list[int] | None = None
+                for off, n in t.runs(block_ids):
+                    if cur is not None and cur[0] + cur[2] == off:
+                        cur[2] += n
+                    else:
+                        if cur is not None:
+                            yield region, cur[0], cur[1], cur[2]
+                        cur = [off, pos, n]
+                    pos += n
+                if cur is not None:
+                    yield region, cur[0], cur[1], cur[2]
+
+    def gather(self, block_ids: list[int], dst: memoryview) -> int:
+        """Copy the blocks into ``dst`` (a chunk's bytes); returns its checksum."""
+        hasher = xxhash.xxh3_64()
+        if self.is_cuda:
+            self._cuda_copy(block_ids, dst, to_store=True)
+            hasher.update(dst)
+            return hasher.intdigest()
+        for region, off, pos, n in self._file_ops(block_ids):
+            piece = dst[pos : pos + n]
+            region.read(off, piece)
+            hasher.update(piece)  # hashed while the piece is still in cache
+        return hasher.intdigest()
+
+    def scatter(self, block_ids: list[int], src: memoryview) -> int:
+        """Copy a chunk's bytes into the blocks; returns the checksum of what was read."""
+        hasher = xxhash.xxh3_64()
+        if self.is_cuda:
+            hasher.update(src)
+            self._cuda_copy(block_ids, src, to_store=False)
+            return hasher.intdigest()
+        for region, off, pos, n in self._file_ops(block_ids):
+            piece = src[pos : pos + n]
+            hasher.update(piece)
+            region.write(off, piece)
+        return hasher.intdigest()
+
+    def _cuda_copy(self, block_ids: list[int], buf: memoryview, *, to_store: bool) -> None:
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        pos = 0
+        used: list[CudaRegion] = []
+        for rank in self.ranks:
+            for t in rank.tensors:
+                region = rank.regions[t.handle_key]
+                assert isinstance(region, CudaRegion)
+                torch.cuda.set_device(region.device)
+                view = region.view(t)
+                idx = torch.tensor(block_ids, dtype=torch.long, device=region.device)
+                n = t.block_bytes * len(block_ids)
+                out_shape = list(t.shape)
+                out_shape[t.block_dim] = len(block_ids)
+                part = host[pos : pos + n].view(t.dtype).view(out_shape)
+                with torch.cuda.stream(region.stream):
+                    if to_store:
+                        part.copy_(view.index_select(t.block_dim, idx), non_blocking=True)
+                    else:
+                        staged = part.to(region.device, non_blocking=True)
+                        view.index_copy_(t.block_dim, idx, staged)
+                used.append(region)
+                pos += n
+        for region in used:
+            region.stream.synchronize()

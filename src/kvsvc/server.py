@@ -1,0 +1,536 @@
+"""The kvsvc server: a grpc.aio servicer whose every RPC goes through one
+wrapper that validates, dispatches and turns any exception into a RemoteError,
+plus health, reflection, signals and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from google.protobuf import timestamp_pb2
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvsvc import __version__, failpoints
+from kvsvc.config import ServerConfig, server_options
+from kvsvc.errors import (
+    ENVELOPE_VERSION,
+    FINISHED,
+    NO_TRANSFER,
+    NOT_STARTED,
+    UNKNOWN,
+    DeadlineExceeded,
+    InvalidRequest,
+    KVServiceError,
+    LayoutMismatch,
+    MappingLost,
+    RegionUnavailable,
+    UnsupportedRequest,
+    to_remote_error,
+)
+from kvsvc.health import Health
+from kvsvc.regions import (
+    Mapping,
+    RankMapping,
+    cuda_handles_of,
+    layout_fingerprint,
+    open_rank,
+    rank_label,
+    rank_metadata,
+)
+from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore, checksum
+from kvsvc.transfer import TransferEngine
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvsvc.server")
+R = TypeVar("R")
+MAP_RETRY_S = 0.02
+
+
+@dataclass
+class Call:
+    """Per-request state the wrapper reads when it builds an error."""
+
+    request_id: str
+    deadline: float | None
+    transfer: bool
+    started: bool = False
+
+
+def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
+    """The one wrapper every RPC goes through: no exception leaves it, no request is dropped."""
+
+    def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        name = fn.__name__
+
+        @functools.wraps(fn)
+        async def handler(self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            header = request.header
+            remaining = context.time_remaining()
+            call = Call(
+                request_id=header.request_id or uuid.uuid4().hex,
+                deadline=None if remaining is None else time.monotonic() + remaining,
+                transfer=transfer,
+            )
+            try:
+                failpoints.hit("handler.enter", name)
+                if header.envelope_version not in (0, ENVELOPE_VERSION):
+                    raise UnsupportedRequest(
+                        f"envelope version {header.envelope_version} is not spoken here "
+                        f"(this server speaks {ENVELOPE_VERSION})",
+                        reason="UNSUPPORTED_ENVELOPE_VERSION",
+                        metadata={"envelopeVersion": header.envelope_version,
+                                  "supported": ENVELOPE_VERSION},
+                    )
+                if transfer:
+                    self.health.check_serving()
+                result = await fn(self, request, call)
+                return response_cls(result=result)
+            except asyncio.CancelledError:
+                # The client cancelled or its deadline passed: nobody reads a reply.
+                log.info("%s %s cancelled by the client", name, call.request_id)
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the contract: every failure gets a reply
+                return await self._error(name, call, exc, response_cls)
+
+        return handler
+
+    return decorate
+
+
+class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
+    def __init__(self, config: ServerConfig, health: Health) -> None:
+        self.config = config
+        self.health = health
+        self.start_id = uuid.uuid4().hex
+        self.start_time = time.time()
+        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = "cuda" if cuda else "cpu"
+        self.store = ChunkStore(config.store_bytes, pin_memory=cuda)
+        self.engine = TransferEngine(config.transfer_threads)
+        self.mappings: dict[str, Mapping] = {}
+        self._mapping_seq = 0
+
+    async def _error(
+        self, name: str, call: Call, exc: BaseException, response_cls: type[Any]
+    ) -> Any:
+        if isinstance(exc, KVServiceError) and not exc.fatal:
+            log.info("%s %s failed: %s", name, call.request_id, exc)
+        else:  # the traceback stays here, found by the request id
+            log.error("%s %s failed", name, call.request_id, exc_info=exc)
+        envelope = to_remote_error(exc, call.request_id)
+        if call.transfer and envelope.transfer_state == NO_TRANSFER:
+            # The engine has returned or raised, so no copy of this call still runs.
+            envelope.transfer_state = FINISHED if call.started else NOT_STARTED
+        if getattr(exc, "fatal", False) or not isinstance(exc, Exception):
+            await self.health.fatal(envelope.reason, envelope.message)
+        return response_cls(error=envelope)
+
+    # --- helpers ---
+    def _mapping(self, mapping_id: str) -> Mapping:
+        mapping = self.mappings.get(mapping_id)
+        if mapping is None:
+            raise MappingLost(
+                f"mapping {mapping_id!r} is not known to server start {self.start_id}: "
+                "the server restarted or the mapping was unmapped; map again",
+                metadata={"mappingId": mapping_id, "serverStartId": self.start_id},
+            )
+        if mapping.closing:
+            raise InvalidRequest(
+                f"mapping {mapping_id} is being unmapped",
+                reason="MAPPING_CLOSING",
+                metadata={"mappingId": mapping_id},
+            )
+        return mapping
+
+    @staticmethod
+    def _oneof(request: Any, group: str) -> str:
+        which = request.WhichOneof(group)
+        if which is None:
+            raise UnsupportedRequest(
+                f"{type(request).__name__}.{group} is not set (or is a kind this server "
+                "does not know)",
+                metadata={"field": group},
+            )
+        return str(which)
+
+    # --- RPCs ---
+    @rpc(pb.MapResponse)
+    async def Map(self, request: pb.MapRequest, call: Call) -> pb.MapResult:
+        if not request.namespace:
+            raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+        if not request.ranks:
+            raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
+        descriptor = _ranks_descriptor(request)
+        # Idempotent re-map: the same namespace and ranks give the same mapping.
+        for existing in self.mappings.values():
+            if existing.descriptor == descriptor and not existing.closing:
+                return self._map_result(existing)
+        ranks: list[RankMapping] = []
+        try:
+            for index, rank in enumerate(request.ranks):
+                failpoints.hit("map.rank", index)
+                ranks.append(await self._open_rank(rank, index, call))
+        except BaseException as exc:
+            for opened in ranks:
+                opened.close()
+            if isinstance(exc, KVServiceError) and "rankIndex" not in exc.metadata:
+                index = len(ranks)
+                ctx = request.ranks[index].context
+                exc.message = f"{rank_label(ctx, index)}: {exc.message}"
+                exc.args = (exc.message,)
+                exc.metadata.update({k: str(v) for k, v in rank_metadata(ctx, index).items()})
+            elif isinstance(exc, Exception) and not isinstance(exc, KVServiceError):
+                index = len(ranks)
+                ctx = request.ranks[index].context
+                raise RegionUnavailable(
+                    f"{rank_label(ctx, index)}: map failed: {type(exc).__name__}: {exc}",
+                    reason="MAP_FAILED",
+                    metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
+                ) from exc
+            raise
+        blocks = {r.tensors[0].num_blocks for r in ranks}
+        if len(blocks) != 1:
+            for opened in ranks:
+                opened.close()
+            raise InvalidRequest(f"ranks disagree on the number of blocks: {sorted(blocks)}")
+        self._mapping_seq += 1
+        mapping = Mapping(
+            mapping_id=f"{self.start_id[:8]}-{self._mapping_seq}",
+            namespace=request.namespace,
+            descriptor=descriptor,
+            ranks=ranks,
+            num_blocks=blocks.pop(),
+            block_bytes=sum(t.block_bytes for r in ranks for t in r.tensors),
+            fingerprint=layout_fingerprint(ranks),
+        )
+        # Make the mapping visible on the device before the reply.
+        await asyncio.to_thread(mapping.synchronize)
+        self.mappings[mapping.mapping_id] = mapping
+        log.info("mapped %s: %d ranks, %d blocks of %d bytes, layout %s",
+                 mapping.mapping_id, len(ranks), mapping.num_blocks, mapping.block_bytes,
+                 mapping.fingerprint)
+        return self._map_result(mapping)
+
+    def _map_result(self, mapping: Mapping) -> pb.MapResult:
+        return pb.MapResult(
+            mapping_id=mapping.mapping_id,
+            server_start_id=self.start_id,
+            num_blocks=mapping.num_blocks,
+            block_bytes=mapping.block_bytes,
+            layout_fingerprint=mapping.fingerprint,
+        )
+
+    async def _open_rank(self, rank: pb.RankRegion, index: int, call: Call) -> RankMapping:
+        """Open one rank, retrying a region that is not ready until the deadline."""
+        handles = cuda_handles_of(rank)
+        while True:
+            try:
+                return await asyncio.to_thread(
+                    open_rank, rank, index, self.config.shm_dir, handles
+                )
+            except (FileNotFoundError, RegionUnavailable) as exc:
+                last = exc
+                if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
+                    raise
+            if call.deadline is None or time.monotonic() + MAP_RETRY_S >= call.deadline:
+                cause = last.message if isinstance(last, KVServiceError) else str(last)
+                raise DeadlineExceeded(
+                    f"region not ready before the deadline; last error: {cause}",
+                    reason="REGION_NOT_READY",
+                    metadata={"lastError": cause},
+                ) from last
+            await asyncio.sleep(MAP_RETRY_S)
+
+    @rpc(pb.UnmapResponse)
+    async def Unmap(self, request: pb.UnmapRequest, call: Call) -> pb.UnmapResult:
+        mapping = self._mapping(request.mapping_id)
+        mapping.closing = True
+        waited, _, still = await self.engine.fence(mapping.mapping_id, (), call.deadline)
+        if still:
+            mapping.closing = False
+            raise DeadlineExceeded(
+                f"unmap of {mapping.mapping_id}: {len(still)} copies still running at the "
+                "deadline; the mapping stays so that no copy loses its memory",
+                reason="UNMAP_FENCE_TIMEOUT",
+                metadata={"mappingId": mapping.mapping_id, "running": ",".join(still)},
+                transfer_state=UNKNOWN,
+            )
+        del self.mappings[mapping.mapping_id]
+        await asyncio.to_thread(mapping.close)  # synchronizes the device first
+        return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
+
+    @rpc(pb.StoreResponse, transfer=True)
+    async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
+        kind = self._oneof(request, "source")
+        if kind == "blocks":
+            mapping = self._mapping(request.blocks.mapping_id)
+            namespace, layout, mapping_id = mapping.namespace, mapping.fingerprint, mapping.mapping_id
+            items = [(c.key, list(c.block_ids)) for c in request.blocks.chunks]
+            for i, (_, ids) in enumerate(items):
+                mapping.check_blocks(ids, i)
+            sizes = [len(ids) * mapping.block_bytes for _, ids in items]
+        else:
+            namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
+            if not namespace:
+                raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+            items = [(c.key, c.data) for c in request.inline.chunks]  # type: ignore[misc]
+            sizes = [len(c.data) for c in request.inline.chunks]
+        _check_keys([k for k, _ in items])
+        failpoints.hit("store.put")
+        todo: list[tuple[Chunk, Any]] = []
+        present = evicted = 0
+        try:
+            for (key, src), size in zip(items, sizes, strict=True):
+                if self.store.get(namespace, key) is not None or any(
+                    c.key == (namespace, key) for c, _ in todo
+                ):
+                    present += 1
+                    continue
+                chunk, n = self.store.reserve(namespace, key, size, layout)
+                todo.append((chunk, src))
+                evicted += n
+        except BaseException:
+            for chunk, _ in todo:
+                self.store.abort(chunk)
+            raise
+        nbytes = sum(c.size for c, _ in todo)
+
+        def copy() -> list[int]:
+            digests = []
+            for i, (chunk, src) in enumerate(todo):
+                if i == 1:
+                    failpoints.hit("transfer.copy")
+                dst = self.store.chunk_view(chunk)
+                if kind == "blocks":
+                    digests.append(mapping.gather(src, dst))
+                else:
+                    dst[:] = src
+                    digests.append(checksum(dst))
+            return digests
+
+        try:
+            digests = await self._transfer(call, mapping_id, nbytes, copy)
+        except BaseException:
+            for chunk, _ in todo:
+                self.store.abort(chunk)
+            raise
+        stored = sum(self.store.commit(c, d) for (c, _), d in zip(todo, digests, strict=True))
+        if evicted:
+            log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
+        return pb.StoreResult(
+            stored_chunks=stored,
+            present_chunks=present + len(todo) - stored,
+            evicted_chunks=evicted,
+            stored_bytes=nbytes,
+            transfer_id=call.request_id,
+            server_start_id=self.start_id,
+        )
+
+    async def _transfer(
+        self, call: Call, mapping_id: str, nbytes: int, fn: Callable[[], R]
+    ) -> R:
+        if mapping_id:
+            mapping = self.mappings[mapping_id]
+            mapping.transfers.add(call.request_id)
+        call.started = True
+        try:
+            return await self.engine.run(call.request_id, mapping_id, nbytes, call.deadline, fn)
+        except KVServiceError as exc:
+            if exc.transfer_state == NOT_STARTED:
+                call.started = False
+            raise
+        finally:
+            if mapping_id and mapping_id in self.mappings:
+                self.mappings[mapping_id].transfers.discard(call.request_id)
+
+    @rpc(pb.RetrieveResponse, transfer=True)
+    async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
+        kind = self._oneof(request, "target")
+        if kind == "blocks":
+            mapping = self._mapping(request.blocks.mapping_id)
+            namespace, layout, mapping_id = mapping.namespace, mapping.fingerprint, mapping.mapping_id
+            targets = [list(c.block_ids) for c in request.blocks.chunks]
+            for i, ids in enumerate(targets):
+                mapping.check_blocks(ids, i)
+            keys = [c.key for c in request.blocks.chunks]
+        else:
+            namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
+            if not namespace:
+                raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+            keys = list(request.inline.keys)
+        _check_keys(keys)
+        chunks = self.store.acquire_prefix(namespace, keys, layout)
+        try:
+            if kind == "blocks":
+                for i, chunk in enumerate(chunks):
+                    if chunk.size != len(targets[i]) * mapping.block_bytes:
+                        raise LayoutMismatch(
+                            f"chunk {i} holds {chunk.size // mapping.block_bytes} blocks, "
+                            f"the request lists {len(targets[i])}",
+                            reason="BLOCK_COUNT_MISMATCH",
+                            metadata={"chunkIndex": i, "listedBlocks": len(targets[i])},
+                        )
+            nbytes = sum(c.size for c in chunks)
+
+            def copy() -> list[bytes]:
+                out: list[bytes] = []
+                for i, chunk in enumerate(chunks):
+                    if i == 1:
+                        failpoints.hit("transfer.copy")
+                    src = self.store.chunk_view(chunk)
+                    if kind == "blocks":
+                        self.store.verify(chunk, mapping.scatter(targets[i], src))
+                    else:
+                        data = bytes(src)
+                        self.store.verify(chunk, checksum(memoryview(data)))
+                        out.append(data)
+                return out
+
+            data = await self._transfer(call, mapping_id, nbytes, copy) if chunks else []
+        finally:
+            self.store.release(chunks)
+        return pb.RetrieveResult(
+            loaded_chunks=len(chunks),
+            chunks=[pb.InlineChunk(key=k, data=d) for k, d in zip(keys, data, strict=False)],
+            loaded_bytes=nbytes if chunks else 0,
+            transfer_id=call.request_id,
+            server_start_id=self.start_id,
+        )
+
+    @rpc(pb.LookupResponse)
+    async def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResult:
+        scope = self._oneof(request, "scope")
+        keys = list(request.keys)
+        _check_keys(keys)
+        if scope == "mapping_id":
+            mapping = self._mapping(request.mapping_id)
+            hits = self.store.lookup(mapping.namespace, keys, mapping.fingerprint)
+        else:
+            hits = self.store.lookup(request.namespace, keys, None)
+        return pb.LookupResult(hit_chunks=hits, server_start_id=self.start_id)
+
+    @rpc(pb.FenceResponse)
+    async def Fence(self, request: pb.FenceRequest, call: Call) -> pb.FenceResult:
+        if request.mapping_id and request.mapping_id not in self.mappings:
+            self._mapping(request.mapping_id)  # raises MappingLost
+        if not request.mapping_id and not request.transfer_ids:
+            raise InvalidRequest("fence needs a mapping_id or transfer_ids")
+        waited, barred, still = await self.engine.fence(
+            request.mapping_id, request.transfer_ids, call.deadline
+        )
+        if still:
+            raise DeadlineExceeded(
+                f"{len(still)} copies still running at the fence deadline",
+                reason="FENCE_TIMEOUT",
+                metadata={"running": ",".join(still)},
+                transfer_state=UNKNOWN,
+            )
+        return pb.FenceResult(
+            waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
+        )
+
+    @rpc(pb.GetServerInfoResponse)
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, call: Call
+    ) -> pb.GetServerInfoResult:
+        result = pb.GetServerInfoResult(
+            version=__version__,
+            envelope_version=ENVELOPE_VERSION,
+            server_start_id=self.start_id,
+            capacity_bytes=self.store.capacity,
+            used_bytes=self.store.used_bytes,
+            stored_chunks=len(self.store),
+            evicted_chunks=self.store.evicted_total,
+            mappings=len(self.mappings),
+            inflight_transfers=len(self.engine.inflight),
+            serving=self.health.serving,
+            failure_reason=self.health.failure_reason,
+            start_time=_timestamp(self.start_time),
+            device=self.device,
+        )
+        if self.health.failure_time:
+            result.failure_time.CopyFrom(_timestamp(self.health.failure_time))
+        return result
+
+
+def _ranks_descriptor(request: pb.MapRequest) -> bytes:
+    key = pb.MapRequest(namespace=request.namespace, ranks=request.ranks)
+    return key.SerializeToString(deterministic=True)
+
+
+def _check_keys(keys: list[bytes]) -> None:
+    for i, key in enumerate(keys):
+        if not key:
+            raise InvalidRequest(f"key {i} is empty", metadata={"keyIndex": i})
+
+
+def _timestamp(t: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+class Server:
+    """A running kvsvc server: the gRPC server, its servicer and health."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.health = Health()
+        self.servicer = KVCacheServicer(config, self.health)
+        self.grpc = grpc.aio.server(options=server_options())
+        pb_grpc.add_KVCacheServiceServicer_to_server(self.servicer, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
+             "grpc.health.v1.Health", reflection.SERVICE_NAME),
+            self.grpc,
+        )
+        self.port = self.grpc.add_insecure_port(config.listen)
+        if self.port == 0 and not config.listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {config.listen}")
+        host = config.listen.rsplit(":", 1)[0]
+        self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.health.start()
+        await self.grpc.start()
+        log.info("kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
+                 __version__, self.address, self.servicer.store.capacity,
+                 self.servicer.device, self.servicer.start_id)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first, then stop accepting and let in-flight calls finish."""
+        await self.health.shutdown()
+        grace = self.config.shutdown_grace if grace is None else grace
+        await self.grpc.stop(grace)
+        still = list(self.servicer.engine.inflight)
+        if still:
+            log.warning("shutdown: copies still running after the grace period: %s", still)
+        self.servicer.engine.shutdown()
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT; exit 0 after a graceful drain."""
+    server = Server(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
+    await server.stop()
+    log.info("stopped")
+    return 0
+

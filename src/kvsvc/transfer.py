@@ -1,0 +1,193 @@
+"""The transfer engine: runs copies on worker threads, hands completions back
+to the event loop, and tracks every copy that started until it ends, so that
+Fence can prove it finished even after the client went away.
+
+A transfer id is the client's request id. Fence bars ids it has not seen, so a
+request that arrives after its fence can never write into reused blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvsvc import failpoints
+from kvsvc.errors import (
+    FINISHED,
+    NOT_STARTED,
+    DeadlineExceeded,
+    FatalServerError,
+    InvalidRequest,
+    KVServiceError,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_REMEMBERED = 100_000  # completed and barred ids kept for Fence's answers
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    mapping_id: str
+    nbytes: int
+    done: asyncio.Future[None]
+    started_at: float = 0.0  # monotonic time the copy began; 0 = queued
+    thread: str = ""
+
+
+@dataclass
+class _Rate:
+    """Observed copy throughput, to refuse copies that cannot finish in time."""
+
+    bytes_per_s: float = 1e9
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes < 1 << 20 or seconds <= 0:
+            return
+        with self.lock:
+            self.bytes_per_s = 0.8 * self.bytes_per_s + 0.2 * (nbytes / seconds)
+
+
+class TransferEngine:
+    def __init__(self, threads: int) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="kvsvc-copy"
+        )
+        self.inflight: dict[str, Transfer] = {}
+        self._completed: OrderedDict[str, None] = OrderedDict()
+        self._barred: OrderedDict[str, None] = OrderedDict()
+        self.rate = _Rate()
+        self.accepting = True
+
+    def _remember(self, table: OrderedDict[str, None], tid: str) -> None:
+        table[tid] = None
+        if len(table) > _REMEMBERED:
+            table.popitem(last=False)
+
+    def check_deadline(self, deadline: float | None, nbytes: int) -> None:
+        """Refuse (NOT_STARTED) a copy that cannot finish before ``deadline``."""
+        if deadline is None:
+            return
+        remaining = deadline - time.monotonic()
+        need = nbytes / self.rate.bytes_per_s
+        if remaining <= need:
+            raise DeadlineExceeded(
+                f"{remaining * 1e3:.1f} ms left, the copy of {nbytes} bytes needs about "
+                f"{need * 1e3:.1f} ms: not started",
+                reason="DEADLINE_TOO_SHORT",
+                metadata={"remainingMs": f"{remaining * 1e3:.1f}", "bytes": nbytes},
+                transfer_state=NOT_STARTED,
+            )
+
+    async def run(
+        self,
+        transfer_id: str,
+        mapping_id: str,
+        nbytes: int,
+        deadline: float | None,
+        fn: Callable[[], T],
+    ) -> T:
+        """Run ``fn`` on a worker; its exceptions carry the right transfer_state."""
+        if transfer_id in self._barred:
+            raise InvalidRequest(
+                f"transfer {transfer_id} was fenced before it arrived; it will never run",
+                reason="TRANSFER_BARRED",
+                metadata={"transferId": transfer_id},
+                transfer_state=NOT_STARTED,
+            )
+        if transfer_id in self.inflight or transfer_id in self._completed:
+            raise InvalidRequest(
+                f"transfer id {transfer_id} was already used",
+                reason="DUPLICATE_TRANSFER_ID",
+                metadata={"transferId": transfer_id},
+                transfer_state=NOT_STARTED,
+            )
+        self.check_deadline(deadline, nbytes)
+        loop = asyncio.get_running_loop()
+        transfer = Transfer(transfer_id, mapping_id, nbytes, loop.create_future())
+        self.inflight[transfer_id] = transfer
+
+        def work() -> T:
+            # Queue time counts: re-check the deadline when a worker picks it up.
+            self.check_deadline(deadline, nbytes)
+            transfer.started_at = time.monotonic()
+            transfer.thread = threading.current_thread().name
+            failpoints.hit("transfer.before_copy")
+            try:
+                result = fn()
+            except KVServiceError as exc:
+                if exc.transfer_state != NOT_STARTED:
+                    exc.transfer_state = FINISHED
+                raise
+            except Exception as exc:
+                # The worker itself failed mid-copy: the copy has stopped, but the
+                # data path is broken, so this instance must stop serving.
+                raise FatalServerError(
+                    f"transfer worker failed: {type(exc).__name__}: {exc}",
+                    reason="TRANSFER_WORKER_FAILED",
+                    metadata={"transferId": transfer_id, "error": type(exc).__name__},
+                    transfer_state=FINISHED,
+                ) from exc
+            self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
+            failpoints.hit("transfer.after_copy")
+            return result
+
+        def finished(_: concurrent.futures.Future[T]) -> None:
+            del self.inflight[transfer_id]
+            self._remember(self._completed, transfer_id)
+            if not transfer.done.done():
+                transfer.done.set_result(None)
+
+        cf = self._executor.submit(work)
+        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
+        # Cancelling the handler cancels a copy that has not started; one that has
+        # started runs to its end and stays in `inflight` until then.
+        return await asyncio.wrap_future(cf)
+
+    async def fence(
+        self, mapping_id: str, transfer_ids: Iterable[str], deadline: float | None
+    ) -> tuple[int, int, list[str]]:
+        """Wait for copies of ``mapping_id`` and of ``transfer_ids``.
+
+        Returns (waited, barred, still_running): still_running is non-empty only
+        when the deadline passed first.
+        """
+        waiting: dict[str, Transfer] = {}
+        barred = 0
+        for tid in transfer_ids:
+            if tid in self.inflight:
+                waiting[tid] = self.inflight[tid]
+            elif tid not in self._completed and tid not in self._barred:
+                self._remember(self._barred, tid)
+                barred += 1
+        if mapping_id:
+            waiting.update(
+                {t.transfer_id: t for t in self.inflight.values() if t.mapping_id == mapping_id}
+            )
+        if not waiting:
+            return 0, barred, []
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = await asyncio.wait(
+            [asyncio.shield(t.done) for t in waiting.values()], timeout=timeout
+        )
+        still = [tid for tid, t in waiting.items() if not t.done.done()]
+        return len(waiting) - len(still), barred, still
+
+    def stalled(self, stall_timeout: float) -> list[Transfer]:
+        now = time.monotonic()
+        return [
+            t for t in list(self.inflight.values())
+            if t.started_at and now - t.started_at > stall_timeout
+        ]
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
