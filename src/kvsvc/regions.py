@@ -145,8 +145,13 @@ def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
     else:
         raise bad("memory handle is not set")
     layout = TensorLayout(
-        label, handle_key, t.offset_bytes, tuple(t.shape), tuple(t.strides),
-        DTYPES[t.dtype], t.block_dim,
+        label,
+        handle_key,
+        t.offset_bytes,
+        tuple(t.shape),
+        tuple(t.strides),
+        DTYPES[t.dtype],
+        t.block_dim,
     )
     if layout.offset % layout.elsize:
         raise bad(f"offset {layout.offset} is not a multiple of the element size")
@@ -258,8 +263,14 @@ class CudaRegion:
         self.device = torch.device("cuda", index)
         torch.cuda.set_device(self.device)
         self.storage = torch.UntypedStorage._new_shared_cuda(
-            index, h.ipc_handle, h.storage_size_bytes, h.storage_offset_bytes,
-            h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required,
+            index,
+            h.ipc_handle,
+            h.storage_size_bytes,
+            h.storage_offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle,
+            h.event_sync_required,
         )
         if self.storage.nbytes() < need_bytes:
             raise RegionUnavailable(
@@ -344,8 +355,10 @@ def cuda_handles_of(rank: pb.RankRegion) -> dict[str, pb.CudaIpcHandle]:
 
 def layout_fingerprint(ranks: list[RankMapping]) -> str:
     sig = [
-        [[r.context.tp_rank, r.context.tp_size, r.context.pp_rank, r.context.pp_size],
-         [t.signature() for t in r.tensors]]
+        [
+            [r.context.tp_rank, r.context.tp_size, r.context.pp_rank, r.context.pp_size],
+            [t.signature() for t in r.tensors],
+        ]
         for r in ranks
     ]
     return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
@@ -379,8 +392,11 @@ class Mapping:
                 raise InvalidRequest(
                     f"chunk {chunk_index}: block id {b} out of range [0, {self.num_blocks})",
                     reason="BLOCK_OUT_OF_RANGE",
-                    metadata={"chunkIndex": chunk_index, "blockId": b,
-                              "numBlocks": self.num_blocks},
+                    metadata={
+                        "chunkIndex": chunk_index,
+                        "blockId": b,
+                        "numBlocks": self.num_blocks,
+                    },
                 )
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from kvsvc.errors import (
     to_remote_error,
 )
 from kvsvc.health import Health
+from kvsvc.metrics import Metrics
 from kvsvc.regions import (
     Mapping,
     RankMapping,
@@ -74,7 +75,9 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
         name = fn.__name__
 
         @functools.wraps(fn)
-        async def handler(self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handler(
+            self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+        ) -> Any:
             header = request.header
             remaining = context.time_remaining()
             call = Call(
@@ -82,6 +85,8 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 deadline=None if remaining is None else time.monotonic() + remaining,
                 transfer=transfer,
             )
+            started = time.perf_counter()
+            outcome = "result"
             try:
                 failpoints.hit("handler.enter", name)
                 if header.envelope_version not in (0, ENVELOPE_VERSION):
@@ -89,8 +94,10 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                         f"envelope version {header.envelope_version} is not spoken here "
                         f"(this server speaks {ENVELOPE_VERSION})",
                         reason="UNSUPPORTED_ENVELOPE_VERSION",
-                        metadata={"envelopeVersion": header.envelope_version,
-                                  "supported": ENVELOPE_VERSION},
+                        metadata={
+                            "envelopeVersion": header.envelope_version,
+                            "supported": ENVELOPE_VERSION,
+                        },
                     )
                 if transfer:
                     self.health.check_serving()
@@ -98,10 +105,16 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 return response_cls(result=result)
             except asyncio.CancelledError:
                 # The client cancelled or its deadline passed: nobody reads a reply.
+                outcome = "CANCELLED"
                 log.info("%s %s cancelled by the client", name, call.request_id)
                 raise
             except BaseException as exc:  # noqa: BLE001 - the contract: every failure gets a reply
-                return await self._error(name, call, exc, response_cls)
+                response = await self._error(name, call, exc, response_cls)
+                outcome = response.error.reason
+                return response
+            finally:
+                self.metrics.requests.labels(name, outcome).inc()
+                self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
 
         return handler
 
@@ -120,6 +133,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine = TransferEngine(config.transfer_threads)
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
+        self.metrics = Metrics(self)
 
     async def _error(
         self, name: str, call: Call, exc: BaseException, response_cls: type[Any]
@@ -217,9 +231,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         # Make the mapping visible on the device before the reply.
         await asyncio.to_thread(mapping.synchronize)
         self.mappings[mapping.mapping_id] = mapping
-        log.info("mapped %s: %d ranks, %d blocks of %d bytes, layout %s",
-                 mapping.mapping_id, len(ranks), mapping.num_blocks, mapping.block_bytes,
-                 mapping.fingerprint)
+        log.info(
+            "mapped %s: %d ranks, %d blocks of %d bytes, layout %s",
+            mapping.mapping_id,
+            len(ranks),
+            mapping.num_blocks,
+            mapping.block_bytes,
+            mapping.fingerprint,
+        )
         return self._map_result(mapping)
 
     def _map_result(self, mapping: Mapping) -> pb.MapResult:
@@ -236,9 +255,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         handles = cuda_handles_of(rank)
         while True:
             try:
-                return await asyncio.to_thread(
-                    open_rank, rank, index, self.config.shm_dir, handles
-                )
+                return await asyncio.to_thread(open_rank, rank, index, self.config.shm_dir, handles)
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc
                 if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
@@ -275,7 +292,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         kind = self._oneof(request, "source")
         if kind == "blocks":
             mapping = self._mapping(request.blocks.mapping_id)
-            namespace, layout, mapping_id = mapping.namespace, mapping.fingerprint, mapping.mapping_id
+            namespace, layout = mapping.namespace, mapping.fingerprint
+            mapping_id = mapping.mapping_id
             items = [(c.key, list(c.block_ids)) for c in request.blocks.chunks]
             for i, (_, ids) in enumerate(items):
                 mapping.check_blocks(ids, i)
@@ -320,7 +338,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             return digests
 
         try:
-            digests = await self._transfer(call, mapping_id, nbytes, copy)
+            digests = await self._transfer(call, "store", mapping_id, nbytes, copy)
         except BaseException:
             for chunk, _ in todo:
                 self.store.abort(chunk)
@@ -338,14 +356,17 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     async def _transfer(
-        self, call: Call, mapping_id: str, nbytes: int, fn: Callable[[], R]
+        self, call: Call, direction: str, mapping_id: str, nbytes: int, fn: Callable[[], R]
     ) -> R:
         if mapping_id:
             mapping = self.mappings[mapping_id]
             mapping.transfers.add(call.request_id)
         call.started = True
+        t0 = time.perf_counter()
         try:
-            return await self.engine.run(call.request_id, mapping_id, nbytes, call.deadline, fn)
+            result = await self.engine.run(call.request_id, mapping_id, nbytes, call.deadline, fn)
+            self.metrics.observe_transfer(direction, nbytes, time.perf_counter() - t0)
+            return result
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
                 call.started = False
@@ -359,7 +380,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         kind = self._oneof(request, "target")
         if kind == "blocks":
             mapping = self._mapping(request.blocks.mapping_id)
-            namespace, layout, mapping_id = mapping.namespace, mapping.fingerprint, mapping.mapping_id
+            namespace, layout = mapping.namespace, mapping.fingerprint
+            mapping_id = mapping.mapping_id
             targets = [list(c.block_ids) for c in request.blocks.chunks]
             for i, ids in enumerate(targets):
                 mapping.check_blocks(ids, i)
@@ -397,7 +419,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                         out.append(data)
                 return out
 
-            data = await self._transfer(call, mapping_id, nbytes, copy) if chunks else []
+            data = (
+                await self._transfer(call, "retrieve", mapping_id, nbytes, copy) if chunks else []
+            )
         finally:
             self.store.release(chunks)
         return pb.RetrieveResult(
@@ -492,8 +516,11 @@ class Server:
         pb_grpc.add_KVCacheServiceServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc)
         reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
-             "grpc.health.v1.Health", reflection.SERVICE_NAME),
+            (
+                pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
+                "grpc.health.v1.Health",
+                reflection.SERVICE_NAME,
+            ),
             self.grpc,
         )
         self.port = self.grpc.add_insecure_port(config.listen)
@@ -505,9 +532,18 @@ class Server:
     async def start(self) -> None:
         await self.health.start()
         await self.grpc.start()
-        log.info("kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
-                 __version__, self.address, self.servicer.store.capacity,
-                 self.servicer.device, self.servicer.start_id)
+        if self.config.metrics_port:
+            unix = self.config.listen.startswith("unix:")
+            host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
+            self.servicer.metrics.serve_http(self.config.metrics_port, host)
+        log.info(
+            "kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
+            __version__,
+            self.address,
+            self.servicer.store.capacity,
+            self.servicer.device,
+            self.servicer.start_id,
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first, then stop accepting and let in-flight calls finish."""
@@ -533,4 +569,3 @@ async def serve(config: ServerConfig) -> int:
     await server.stop()
     log.info("stopped")
     return 0
-

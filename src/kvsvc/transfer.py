@@ -41,6 +41,7 @@ class Transfer:
     done: asyncio.Future[None]
     started_at: float = 0.0  # monotonic time the copy began; 0 = queued
     thread: str = ""
+    abandoned: bool = False  # the client's call ended while the copy ran
 
 
 @dataclass
@@ -151,7 +152,13 @@ class TransferEngine:
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
         # Cancelling the handler cancels a copy that has not started; one that has
         # started runs to its end and stays in `inflight` until then.
-        return await asyncio.wrap_future(cf)
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            if transfer_id in self.inflight:
+                transfer.abandoned = True
+                log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
+            raise
 
     async def fence(
         self, mapping_id: str, transfer_ids: Iterable[str], deadline: float | None
@@ -176,16 +183,15 @@ class TransferEngine:
         if not waiting:
             return 0, barred, []
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = await asyncio.wait(
-            [asyncio.shield(t.done) for t in waiting.values()], timeout=timeout
-        )
+        await asyncio.wait([asyncio.shield(t.done) for t in waiting.values()], timeout=timeout)
         still = [tid for tid, t in waiting.items() if not t.done.done()]
         return len(waiting) - len(still), barred, still
 
     def stalled(self, stall_timeout: float) -> list[Transfer]:
         now = time.monotonic()
         return [
-            t for t in list(self.inflight.values())
+            t
+            for t in list(self.inflight.values())
             if t.started_at and now - t.started_at > stall_timeout
         ]
 
