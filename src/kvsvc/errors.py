@@ -211,6 +211,7 @@ _CLASSES: list[type[KVServiceError]] = [
     DataLoss,
     FatalServerError,
 ]
+_BY_NAME: dict[str, type[KVServiceError]] = {c.__name__: c for c in _CLASSES}
 _BY_REASON: dict[str, type[KVServiceError]] = {c.reason: c for c in _CLASSES}
 # First class declared for a code is its default (the most general one).
 _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {}
@@ -258,7 +259,13 @@ def from_remote_error(err: error_pb2.RemoteError) -> KVServiceError:
     if err.transfer_state == UNKNOWN:
         cls = TransferUnprovable
     else:
-        cls = _BY_REASON.get(err.reason) or _BY_CODE.get(code, KVServiceError)
+        # The server raises these same classes: its class name is the best key,
+        # then the stable reason, then the code (a newer server's new reason).
+        cls = (
+            _BY_NAME.get(err.type)
+            or _BY_REASON.get(err.reason)
+            or _BY_CODE.get(code, KVServiceError)
+        )
     exc = cls(
         err.message,
         reason=err.reason,

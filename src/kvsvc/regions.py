@@ -13,6 +13,7 @@ through ``mmap``: a client that truncates its file then causes a short read
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
@@ -139,9 +140,11 @@ def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
     kind = t.handle.WhichOneof("kind")
     if kind == "shared_memory":
         handle_key = "shm:" + t.handle.shared_memory.name
+        handle_size = t.handle.shared_memory.size_bytes
     elif kind == "cuda_ipc":
         h = t.handle.cuda_ipc
         handle_key = f"cuda:{h.device_uuid}:{h.ipc_handle.hex()}:{h.storage_offset_bytes}"
+        handle_size = h.storage_size_bytes
     else:
         raise bad("memory handle is not set")
     layout = TensorLayout(
@@ -155,8 +158,18 @@ def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
     )
     if layout.offset % layout.elsize:
         raise bad(f"offset {layout.offset} is not a multiple of the element size")
-    if layout.end_bytes > 1 << 50:
-        raise bad("shape x strides overflows any region")
+    if layout.end_bytes > handle_size:
+        raise InvalidRequest(
+            f"rank {rank} {label}: shape x strides x dtype reaches byte {layout.end_bytes}, "
+            f"beyond the handle's {handle_size} bytes",
+            reason="TENSOR_OUT_OF_BOUNDS",
+            metadata={
+                "rankIndex": rank,
+                "tensor": label,
+                "endBytes": layout.end_bytes,
+                "handleBytes": handle_size,
+            },
+        )
     return layout
 
 
@@ -186,7 +199,16 @@ class ShmRegion:
     def __init__(self, shm_dir: str, name: str, need_bytes: int) -> None:
         path = safe_shm_path(shm_dir, name)
         # O_NOFOLLOW: a symlink planted under the name cannot redirect us.
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise InvalidRequest(
+                f"shared-memory region {name!r} is a symbolic link; it is refused",
+                reason="INVALID_REGION_NAME",
+                metadata={"name": name},
+            ) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -328,8 +350,13 @@ def open_rank(
             metadata=rank_metadata(rank.context, index),
         )
     need: dict[str, int] = {}
-    for t in tensors:
-        need[t.handle_key] = max(need.get(t.handle_key, 0), t.end_bytes)
+    for t, desc in zip(tensors, rank.tensors, strict=True):
+        declared = (
+            desc.handle.shared_memory.size_bytes
+            if desc.handle.WhichOneof("kind") == "shared_memory"
+            else desc.handle.cuda_ipc.storage_size_bytes
+        )
+        need[t.handle_key] = max(need.get(t.handle_key, 0), declared)
     regions: dict[str, Region] = {}
     try:
         for key, nbytes in need.items():

@@ -546,14 +546,22 @@ class Server:
         )
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING first, then stop accepting and let in-flight calls finish."""
+        """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
+        still answers, so probes see the truth); then stop the gRPC server."""
         await self.health.shutdown()
         grace = self.config.shutdown_grace if grace is None else grace
-        await self.grpc.stop(grace)
-        still = list(self.servicer.engine.inflight)
-        if still:
-            log.warning("shutdown: copies still running after the grace period: %s", still)
-        self.servicer.engine.shutdown()
+        deadline = time.monotonic() + grace
+        engine = self.servicer.engine
+        while engine.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
+        if engine.inflight:
+            log.warning(
+                "shutdown: copies still running after the %.1f s grace period: %s",
+                grace,
+                sorted(engine.inflight),
+            )
+        engine.shutdown()
 
 
 async def serve(config: ServerConfig) -> int:

@@ -122,8 +122,8 @@ class TransferEngine:
             self.check_deadline(deadline, nbytes)
             transfer.started_at = time.monotonic()
             transfer.thread = threading.current_thread().name
-            failpoints.hit("transfer.before_copy")
             try:
+                failpoints.hit("transfer.before_copy")
                 result = fn()
             except KVServiceError as exc:
                 if exc.transfer_state != NOT_STARTED:

@@ -120,16 +120,23 @@ class SharedMemoryHandle(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Plain file name inside --shm-dir: no '/', no '..', no symlink."""
+    size_bytes: _builtins.int
+    """Size the client made the file. Tensors must fit inside it (else
+    INVALID_ARGUMENT); a file still smaller than this is not ready yet, and
+    Map waits for it until its deadline.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

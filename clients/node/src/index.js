@@ -1,0 +1,314 @@
+'use strict';
+// Node.js client for kvsvc.v1.KVCacheService on @grpc/grpc-js. The .proto files
+// are loaded at run time by @grpc/proto-loader from the repository's proto/
+// directory (override with the protoDir option or KVSVC_PROTO_DIR), so there is
+// no generated code to keep in sync.
+
+const path = require('node:path');
+const crypto = require('node:crypto');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+const errors = require('./errors');
+
+const { ENVELOPE_VERSION, fromGrpcError, fromRemoteError, ServiceUnavailable, Cancelled, DeadlineExceeded } = errors;
+
+const DEFAULT_TRANSFER_DEADLINE_S = 30;
+const DEFAULT_CONTROL_DEADLINE_S = 5;
+const HEALTH_SERVICE_NAME = 'kvsvc.v1.KVCacheService';
+const MiB = 1 << 20;
+// The same limits as the server (src/kvsvc/config.py channel_options).
+const CHANNEL_OPTIONS = {
+  'grpc.max_send_message_length': 256 * MiB,
+  'grpc.max_receive_message_length': 256 * MiB,
+  'grpc.keepalive_time_ms': 30000,
+  'grpc.keepalive_timeout_ms': 10000,
+  'grpc.keepalive_permit_without_calls': 0,
+  'grpc.http2.max_pings_without_data': 0,
+};
+const LOADER_OPTIONS = {
+  keepCase: false,
+  longs: Number,
+  enums: String,
+  bytes: Buffer,
+  defaults: true,
+  oneofs: true,
+};
+// RPCs that move bytes: their default deadline is the transfer one, and a lost
+// reply makes their outcome unprovable.
+const TRANSFERS = new Set(['Store', 'Retrieve']);
+const METHODS = ['Map', 'Unmap', 'Store', 'Retrieve', 'Lookup', 'Fence', 'GetServerInfo'];
+
+/** Default location of the repository's proto/ directory. */
+function defaultProtoDir() {
+  return process.env.KVSVC_PROTO_DIR || path.resolve(__dirname, '..', '..', '..', 'proto');
+}
+
+const loaded = new Map();
+function loadServices(protoDir) {
+  if (!loaded.has(protoDir)) {
+    const kv = protoLoader.loadSync('kvsvc/v1/kv_cache_service.proto', {
+      ...LOADER_OPTIONS,
+      includeDirs: [protoDir],
+    });
+    const healthProto = require.resolve('grpc-health-check/proto/health/v1/health.proto');
+    const health = protoLoader.loadSync(healthProto, LOADER_OPTIONS);
+    loaded.set(protoDir, {
+      KVCacheService: grpc.loadPackageDefinition(kv).kvsvc.v1.KVCacheService,
+      Health: grpc.loadPackageDefinition(health).grpc.health.v1.Health,
+    });
+  }
+  return loaded.get(protoDir);
+}
+
+/**
+ * A deadline is a finite number of seconds > 0; anything else throws, naming the setting.
+ * @param {unknown} value
+ * @param {string} setting
+ * @returns {number}
+ */
+function validateDeadline(value, setting) {
+  if (typeof value !== 'number') {
+    throw new TypeError(`${setting} must be a number of seconds, got ${describe(value)}`);
+  }
+  if (!Number.isFinite(value) || value <= 0) {
+    throw new RangeError(`${setting} must be finite and > 0 seconds, got ${describe(value)}`);
+  }
+  return value;
+}
+
+function describe(value) {
+  if (typeof value === 'string') return JSON.stringify(value);
+  if (typeof value === 'bigint') return `${value}n`;
+  return String(value);
+}
+
+function toBuffer(value, what) {
+  if (Buffer.isBuffer(value)) return value;
+  if (value instanceof Uint8Array) return Buffer.from(value.buffer, value.byteOffset, value.byteLength);
+  if (typeof value === 'string') return Buffer.from(value, 'utf8');
+  throw new TypeError(`${what} must be a Buffer, Uint8Array or string, got ${typeof value}`);
+}
+
+function toDate(ts) {
+  if (!ts) return null;
+  return new Date(Number(ts.seconds) * 1000 + Math.floor(Number(ts.nanos) / 1e6));
+}
+
+class KVClient {
+  /**
+   * @param {string} address host:port of a kvsvc server (e.g. "127.0.0.1:50051")
+   * @param {object} [options]
+   * @param {number} [options.transferDeadline=30] default seconds for Store/Retrieve
+   * @param {number} [options.controlDeadline=5] default seconds for every other call
+   * @param {grpc.ChannelCredentials} [options.credentials] default: insecure
+   * @param {object} [options.channelOptions] extra grpc-js channel options
+   * @param {string} [options.protoDir] directory holding kvsvc/v1/*.proto
+   */
+  constructor(address, options = {}) {
+    if (typeof address !== 'string' || !address) {
+      throw new TypeError('address must be a non-empty "host:port" string');
+    }
+    this.address = address;
+    this.transferDeadline = validateDeadline(
+      options.transferDeadline ?? DEFAULT_TRANSFER_DEADLINE_S, 'transferDeadline');
+    this.controlDeadline = validateDeadline(
+      options.controlDeadline ?? DEFAULT_CONTROL_DEADLINE_S, 'controlDeadline');
+    const services = loadServices(options.protoDir ?? defaultProtoDir());
+    const creds = options.credentials ?? grpc.credentials.createInsecure();
+    const channelOptions = { ...CHANNEL_OPTIONS, ...(options.channelOptions ?? {}) };
+    this._stub = new services.KVCacheService(address, creds, channelOptions);
+    // Health shares the channel (and so the connection) of the service stub.
+    this._health = new services.Health(address, creds, {
+      ...channelOptions,
+      channelOverride: this._stub.getChannel(),
+    });
+  }
+
+  /** Close the channel; calls in flight fail with Cancelled/ServiceUnavailable. */
+  close() {
+    this._stub.close();
+  }
+
+  _deadlineSeconds(opts, transfer) {
+    if (opts.deadline === undefined) return transfer ? this.transferDeadline : this.controlDeadline;
+    return validateDeadline(opts.deadline, 'deadline');
+  }
+
+  /**
+   * Invoke any KVCacheService RPC with a request object in proto-loader form
+   * (camelCase fields, Buffers for bytes). The header's request id is filled in
+   * when empty; a RemoteError or transport failure rejects with a KVServiceError.
+   * @param {string} method e.g. "Map", "Store", "Fence"
+   * @param {object} request
+   * @param {{deadline?: number, signal?: AbortSignal}} [opts]
+   * @returns {Promise<object>} the `result` arm of the response
+   */
+  async call(method, request = {}, opts = {}) {
+    if (!METHODS.includes(method)) {
+      throw new TypeError(`unknown method ${describe(method)}; one of ${METHODS.join(', ')}`);
+    }
+    const transfer = TRANSFERS.has(method);
+    const seconds = this._deadlineSeconds(opts, transfer);
+    const header = { envelopeVersion: ENVELOPE_VERSION, ...(request.header ?? {}) };
+    if (!header.requestId) header.requestId = crypto.randomUUID();
+    const req = { ...request, header };
+    const deadlineMs = Date.now() + seconds * 1000;
+    const context = { method, requestId: header.requestId, transfer };
+    if (opts.signal?.aborted) {
+      throw new Cancelled(`${method} cancelled before it was sent`, {
+        ...context, reason: 'CANCELLED', transferState: transfer ? 'NOT_STARTED' : 'UNSPECIFIED',
+      });
+    }
+    if (transfer) await this._connected(deadlineMs, context);
+    const response = await new Promise((resolve, reject) => {
+      let onAbort;
+      const call = this._stub[method](req, { deadline: deadlineMs }, (err, resp) => {
+        if (onAbort) opts.signal.removeEventListener('abort', onAbort);
+        if (err) {
+          // A failed pick ("No connection established") proves nothing was sent.
+          const sent = transfer && !/^No connection established/.test(err.details ?? '');
+          reject(fromGrpcError(err, { ...context, transferStarted: sent }));
+        } else {
+          resolve(resp);
+        }
+      });
+      if (opts.signal) {
+        onAbort = () => call.cancel();
+        opts.signal.addEventListener('abort', onAbort, { once: true });
+      }
+    });
+    if (response.outcome === 'error' && response.error) {
+      throw fromRemoteError(response.error, { method });
+    }
+    if (response.outcome !== 'result' || !response.result) {
+      // A newer server may answer with an outcome this client does not know.
+      throw new errors.KVServiceError(`${method} response carries no result and no error`, {
+        ...context, reason: 'EMPTY_RESPONSE', transferState: transfer ? 'UNKNOWN' : 'UNSPECIFIED',
+      });
+    }
+    return response.result;
+  }
+
+  /**
+   * Before a transfer is sent, wait (within its deadline) for a connection, so
+   * that a server that cannot be reached fails as "not started", never as
+   * "unprovable".
+   */
+  async _connected(deadlineMs, context) {
+    const channel = this._stub.getChannel();
+    const S = grpc.connectivityState;
+    for (;;) {
+      const state = channel.getConnectivityState(true);
+      if (state === S.READY) return;
+      const notStarted = { ...context, transferState: 'NOT_STARTED', metadata: { grpcCode: 'UNAVAILABLE', channelState: S[state] } };
+      if (state === S.TRANSIENT_FAILURE || state === S.SHUTDOWN) {
+        throw new ServiceUnavailable(
+          `no connection to ${this.address} (channel ${S[state]}): ${context.method} not started`,
+          { ...notStarted, retryable: state !== S.SHUTDOWN },
+        );
+      }
+      const changed = await new Promise((resolve) => {
+        channel.watchConnectivityState(state, deadlineMs, (err) => resolve(!err));
+      });
+      if (!changed) {
+        throw new DeadlineExceeded(
+          `no connection to ${this.address} before the deadline: ${context.method} not started`,
+          { ...notStarted, reason: 'TRANSPORT_DEADLINE_EXCEEDED', metadata: { ...notStarted.metadata, grpcCode: 'DEADLINE_EXCEEDED' } },
+        );
+      }
+    }
+  }
+
+  /**
+   * Store chunks given as bytes under keys in a namespace.
+   * @param {string} namespace
+   * @param {Array<{key: Buffer|Uint8Array|string, data: Buffer|Uint8Array|string}>} chunks
+   * @param {{deadline?: number, signal?: AbortSignal, requestId?: string}} [opts]
+   */
+  async store(namespace, chunks, opts = {}) {
+    const req = {
+      header: { requestId: opts.requestId ?? '' },
+      inline: {
+        namespace,
+        chunks: chunks.map((c, i) => ({
+          key: toBuffer(c.key, `chunks[${i}].key`),
+          data: toBuffer(c.data, `chunks[${i}].data`),
+        })),
+      },
+    };
+    return this.call('Store', req, opts);
+  }
+
+  /**
+   * Retrieve the leading present chunks of `keys`; loading stops at the first miss.
+   * @param {string} namespace
+   * @param {Array<Buffer|Uint8Array|string>} keys
+   * @param {{deadline?: number, signal?: AbortSignal, requestId?: string}} [opts]
+   * @returns {Promise<{loadedChunks: number, chunks: Array<{key: Buffer, data: Buffer}>, loadedBytes: number, transferId: string, serverStartId: string}>}
+   */
+  async retrieve(namespace, keys, opts = {}) {
+    const req = {
+      header: { requestId: opts.requestId ?? '' },
+      inline: { namespace, keys: keys.map((k, i) => toBuffer(k, `keys[${i}]`)) },
+    };
+    return this.call('Retrieve', req, opts);
+  }
+
+  /**
+   * Count the leading keys that are present. `scope` is a namespace (any layout),
+   * or `{namespace}` / `{mappingId}` (that mapping's layout only).
+   * @param {string|{namespace: string}|{mappingId: string}} scope
+   * @param {Array<Buffer|Uint8Array|string>} keys
+   * @param {{deadline?: number, signal?: AbortSignal}} [opts]
+   * @returns {Promise<{hitChunks: number, serverStartId: string}>}
+   */
+  async lookup(scope, keys, opts = {}) {
+    const s = typeof scope === 'string' ? { namespace: scope } : { ...scope };
+    const req = { keys: keys.map((k, i) => toBuffer(k, `keys[${i}]`)) };
+    if (s.mappingId !== undefined) req.mappingId = s.mappingId;
+    else req.namespace = s.namespace;
+    return this.call('Lookup', req, opts);
+  }
+
+  /**
+   * Wait until no copy of a mapping or of the listed transfers is running; ids the
+   * server never saw are barred from ever starting.
+   * @param {{mappingId?: string, transferIds?: string[]}} what
+   * @param {{deadline?: number, signal?: AbortSignal}} [opts]
+   */
+  async fence(what, opts = {}) {
+    return this.call('Fence', { mappingId: what.mappingId ?? '', transferIds: what.transferIds ?? [] }, opts);
+  }
+
+  /**
+   * Version, restart identity, capacity, usage and health of the server.
+   * Timestamps are Dates (failureTime is null when the server never failed).
+   */
+  async serverInfo(opts = {}) {
+    const r = await this.call('GetServerInfo', {}, opts);
+    return { ...r, startTime: toDate(r.startTime), failureTime: toDate(r.failureTime) };
+  }
+
+  /**
+   * grpc.health.v1 Check. `service` is "" (the whole server) or "kvsvc.v1.KVCacheService".
+   * @returns {Promise<'SERVING'|'NOT_SERVING'|'UNKNOWN'|'SERVICE_UNKNOWN'>}
+   */
+  async healthCheck(service = '', opts = {}) {
+    const seconds = this._deadlineSeconds(opts, false);
+    return new Promise((resolve, reject) => {
+      this._health.Check({ service }, { deadline: Date.now() + seconds * 1000 }, (err, resp) => {
+        if (err) reject(fromGrpcError(err, { method: 'Health.Check' }));
+        else resolve(resp.status);
+      });
+    });
+  }
+}
+
+module.exports = {
+  KVClient,
+  validateDeadline,
+  DEFAULT_TRANSFER_DEADLINE_S,
+  DEFAULT_CONTROL_DEADLINE_S,
+  HEALTH_SERVICE_NAME,
+  ...errors,
+};

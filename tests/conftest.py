@@ -1,0 +1,170 @@
+"""Fixtures: real servers on real sockets, in a background thread (in-process,
+for white-box checks) or as a `kvsvc serve` subprocess (black-box, failpoints)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvsvc.client import KVCacheClient
+from kvsvc.config import ServerConfig
+from kvsvc.server import Server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ServerThread:
+    """An in-process server on its own event loop thread, so sync clients can call it."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: Server = self.run(self._make(config))
+        self.address = self.server.address
+
+    async def _make(self, config: ServerConfig) -> Server:
+        server = Server(config)
+        await server.start()
+        return server
+
+    def run(self, coro, timeout: float = 30):  # noqa: ANN001, ANN201
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "shm"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def config(shm_dir: Path) -> ServerConfig:
+    return ServerConfig(listen="127.0.0.1:0", store_bytes=64 << 20, shm_dir=str(shm_dir))
+
+
+@pytest.fixture
+def server(config: ServerConfig) -> Iterator[ServerThread]:
+    st = ServerThread(config)
+    yield st
+    st.stop()
+
+
+@pytest.fixture
+def make_server(config: ServerConfig) -> Iterator:
+    started: list[ServerThread] = []
+
+    def make(**changes: object) -> ServerThread:
+        st = ServerThread(replace(config, **changes))
+        started.append(st)
+        return st
+
+    yield make
+    for st in started:
+        st.stop()
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[KVCacheClient]:
+    with KVCacheClient(server.address) as c:
+        yield c
+
+
+class ServerProcess:
+    """`kvsvc serve` as a subprocess: the command users run."""
+
+    def __init__(
+        self, shm_dir: Path, *args: str, env: dict[str, str] | None = None, port: int = 0
+    ) -> None:
+        self.log_path = shm_dir.parent / f"server-{time.monotonic_ns()}.log"
+        self.log = open(self.log_path, "w+")  # noqa: SIM115
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvsvc",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--shm-dir",
+                str(shm_dir),
+                "--store-bytes",
+                "64M",
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            m = re.search(r"serving on 127\.0\.0\.1:(\d+)", self.output())
+            if m:
+                self.address = f"127.0.0.1:{m.group(1)}"
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvsvc serve exited: {self.output()}")
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"kvsvc serve did not start: {self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def spawn(shm_dir: Path) -> Iterator:
+    procs: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, port: int = 0) -> ServerProcess:
+        p = ServerProcess(shm_dir, *args, env=env, port=port)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.proc.poll() is None:
+            p.signal(signal.SIGKILL)
+        p.kill()
+
+
+def health_status(address: str, service: str = "", timeout: float = 5) -> int:
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
