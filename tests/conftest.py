@@ -41,7 +41,7 @@ class ServerThread:
         await server.start()
         return server
 
-    def run(self, coro, timeout: float = 30):  # noqa: ANN001, ANN201
+    def run(self, coro, timeout: float = 30):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:

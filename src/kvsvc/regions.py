@@ -21,7 +21,7 @@ import math
 import os
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -403,7 +403,6 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
-    transfers: set[str] = field(default_factory=set)
 
     @property
     def is_cuda(self) -> bool:

@@ -5,6 +5,7 @@ plus health, reflection, signals and graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import signal
@@ -49,7 +50,7 @@ from kvsvc.regions import (
     rank_metadata,
 )
 from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore, checksum
-from kvsvc.transfer import TransferEngine
+from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -260,7 +261,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 last = exc
                 if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
                     raise
-            if call.deadline is None or time.monotonic() + MAP_RETRY_S >= call.deadline:
+            if call.deadline is None or reply_budget(call.deadline) <= MAP_RETRY_S:
                 cause = last.message if isinstance(last, KVServiceError) else str(last)
                 raise DeadlineExceeded(
                     f"region not ready before the deadline; last error: {cause}",
@@ -308,7 +309,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         failpoints.hit("store.put")
         todo: list[tuple[Chunk, Any]] = []
         present = evicted = 0
-        try:
+        try:  # until the transfer owns them, reserved chunks are freed here
             for (key, src), size in zip(items, sizes, strict=True):
                 if self.store.get(namespace, key) is not None or any(
                     c.key == (namespace, key) for c, _ in todo
@@ -337,13 +338,18 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     digests.append(checksum(dst))
             return digests
 
-        try:
-            digests = await self._transfer(call, "store", mapping_id, nbytes, copy)
-        except BaseException:
-            for chunk, _ in todo:
-                self.store.abort(chunk)
-            raise
-        stored = sum(self.store.commit(c, d) for (c, _), d in zip(todo, digests, strict=True))
+        stored = 0
+
+        def finalize(f: concurrent.futures.Future[list[int]]) -> None:
+            nonlocal stored
+            if f.cancelled() or f.exception() is not None:
+                for chunk, _ in todo:
+                    self.store.abort(chunk)
+                return
+            for (chunk, _), digest in zip(todo, f.result(), strict=True):
+                stored += self.store.commit(chunk, digest)
+
+        await self._transfer(call, "store", mapping_id, nbytes, copy, finalize)
         if evicted:
             log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
         return pb.StoreResult(
@@ -356,24 +362,26 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     async def _transfer(
-        self, call: Call, direction: str, mapping_id: str, nbytes: int, fn: Callable[[], R]
+        self,
+        call: Call,
+        direction: str,
+        mapping_id: str,
+        nbytes: int,
+        fn: Callable[[], R],
+        finalize: Callable[[concurrent.futures.Future[R]], None],
     ) -> R:
-        if mapping_id:
-            mapping = self.mappings[mapping_id]
-            mapping.transfers.add(call.request_id)
         call.started = True
         t0 = time.perf_counter()
         try:
-            result = await self.engine.run(call.request_id, mapping_id, nbytes, call.deadline, fn)
-            self.metrics.observe_transfer(direction, nbytes, time.perf_counter() - t0)
-            return result
+            result = await self.engine.run(
+                call.request_id, mapping_id, nbytes, call.deadline, fn, finalize
+            )
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
                 call.started = False
             raise
-        finally:
-            if mapping_id and mapping_id in self.mappings:
-                self.mappings[mapping_id].transfers.discard(call.request_id)
+        self.metrics.observe_transfer(direction, nbytes, time.perf_counter() - t0)
+        return result
 
     @rpc(pb.RetrieveResponse, transfer=True)
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
@@ -403,31 +411,34 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                             reason="BLOCK_COUNT_MISMATCH",
                             metadata={"chunkIndex": i, "listedBlocks": len(targets[i])},
                         )
-            nbytes = sum(c.size for c in chunks)
-
-            def copy() -> list[bytes]:
-                out: list[bytes] = []
-                for i, chunk in enumerate(chunks):
-                    if i == 1:
-                        failpoints.hit("transfer.copy")
-                    src = self.store.chunk_view(chunk)
-                    if kind == "blocks":
-                        self.store.verify(chunk, mapping.scatter(targets[i], src))
-                    else:
-                        data = bytes(src)
-                        self.store.verify(chunk, checksum(memoryview(data)))
-                        out.append(data)
-                return out
-
-            data = (
-                await self._transfer(call, "retrieve", mapping_id, nbytes, copy) if chunks else []
-            )
-        finally:
+        except BaseException:
             self.store.release(chunks)
+            raise
+        if not chunks:
+            return pb.RetrieveResult(transfer_id=call.request_id, server_start_id=self.start_id)
+        nbytes = sum(c.size for c in chunks)
+
+        def copy() -> list[bytes]:
+            out: list[bytes] = []
+            for i, chunk in enumerate(chunks):
+                if i == 1:
+                    failpoints.hit("transfer.copy")
+                src = self.store.chunk_view(chunk)
+                if kind == "blocks":
+                    self.store.verify(chunk, mapping.scatter(targets[i], src))
+                else:
+                    data = bytes(src)
+                    self.store.verify(chunk, checksum(memoryview(data)))
+                    out.append(data)
+            return out
+
+        data = await self._transfer(
+            call, "retrieve", mapping_id, nbytes, copy, lambda _: self.store.release(chunks)
+        )
         return pb.RetrieveResult(
             loaded_chunks=len(chunks),
             chunks=[pb.InlineChunk(key=k, data=d) for k, d in zip(keys, data, strict=False)],
-            loaded_bytes=nbytes if chunks else 0,
+            loaded_bytes=nbytes,
             transfer_id=call.request_id,
             server_start_id=self.start_id,
         )

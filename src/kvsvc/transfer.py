@@ -58,6 +58,13 @@ class _Rate:
             self.bytes_per_s = 0.8 * self.bytes_per_s + 0.2 * (nbytes / seconds)
 
 
+def reply_budget(deadline: float) -> float:
+    """Seconds a handler may wait and still get its error reply out before the
+    client's deadline (a reply that lands after it is lost as DEADLINE_EXCEEDED)."""
+    remaining = deadline - time.monotonic()
+    return max(0.0, remaining - min(0.05, 0.1 * remaining))
+
+
 class TransferEngine:
     def __init__(self, threads: int) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -96,23 +103,21 @@ class TransferEngine:
         nbytes: int,
         deadline: float | None,
         fn: Callable[[], T],
+        finalize: Callable[[concurrent.futures.Future[T]], None],
     ) -> T:
-        """Run ``fn`` on a worker; its exceptions carry the right transfer_state."""
-        if transfer_id in self._barred:
-            raise InvalidRequest(
-                f"transfer {transfer_id} was fenced before it arrived; it will never run",
-                reason="TRANSFER_BARRED",
-                metadata={"transferId": transfer_id},
-                transfer_state=NOT_STARTED,
-            )
-        if transfer_id in self.inflight or transfer_id in self._completed:
-            raise InvalidRequest(
-                f"transfer id {transfer_id} was already used",
-                reason="DUPLICATE_TRANSFER_ID",
-                metadata={"transferId": transfer_id},
-                transfer_state=NOT_STARTED,
-            )
-        self.check_deadline(deadline, nbytes)
+        """Run ``fn`` on a worker; its exceptions carry the right transfer_state.
+
+        ``finalize`` runs exactly once on the event loop when the copy has ended
+        (or was refused), even if the caller's call was cancelled meanwhile: it is
+        where the store commits or frees what the copy used.
+        """
+        try:
+            self._admit(transfer_id, deadline, nbytes)
+        except BaseException as exc:
+            refused: concurrent.futures.Future[T] = concurrent.futures.Future()
+            refused.set_exception(exc)
+            finalize(refused)
+            raise
         loop = asyncio.get_running_loop()
         transfer = Transfer(transfer_id, mapping_id, nbytes, loop.create_future())
         self.inflight[transfer_id] = transfer
@@ -142,23 +147,43 @@ class TransferEngine:
             failpoints.hit("transfer.after_copy")
             return result
 
-        def finished(_: concurrent.futures.Future[T]) -> None:
+        def finished(f: concurrent.futures.Future[T]) -> None:
             del self.inflight[transfer_id]
             self._remember(self._completed, transfer_id)
-            if not transfer.done.done():
+            try:
+                finalize(f)
+            finally:
                 transfer.done.set_result(None)
 
         cf = self._executor.submit(work)
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
-        # Cancelling the handler cancels a copy that has not started; one that has
-        # started runs to its end and stays in `inflight` until then.
         try:
-            return await asyncio.wrap_future(cf)
+            await asyncio.shield(transfer.done)
         except asyncio.CancelledError:
-            if transfer_id in self.inflight:
+            # A copy that has not started never will; one that has runs to its end,
+            # stays in `inflight` until then, and is finalized by `finished`.
+            if not cf.cancel():
                 transfer.abandoned = True
                 log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
             raise
+        return cf.result()
+
+    def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
+        if transfer_id in self._barred:
+            raise InvalidRequest(
+                f"transfer {transfer_id} was fenced before it arrived; it will never run",
+                reason="TRANSFER_BARRED",
+                metadata={"transferId": transfer_id},
+                transfer_state=NOT_STARTED,
+            )
+        if transfer_id in self.inflight or transfer_id in self._completed:
+            raise InvalidRequest(
+                f"transfer id {transfer_id} was already used",
+                reason="DUPLICATE_TRANSFER_ID",
+                metadata={"transferId": transfer_id},
+                transfer_state=NOT_STARTED,
+            )
+        self.check_deadline(deadline, nbytes)
 
     async def fence(
         self, mapping_id: str, transfer_ids: Iterable[str], deadline: float | None
@@ -182,7 +207,7 @@ class TransferEngine:
             )
         if not waiting:
             return 0, barred, []
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else reply_budget(deadline)
         await asyncio.wait([asyncio.shield(t.done) for t in waiting.values()], timeout=timeout)
         still = [tid for tid, t in waiting.items() if not t.done.done()]
         return len(waiting) - len(still), barred, still

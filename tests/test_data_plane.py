@@ -1,0 +1,332 @@
+"""Mapped KV regions on CPU shared memory: Map, Store/Retrieve by blocks, Lookup,
+Fence, Unmap, and hostile input that must be contained."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SERVING, health_status
+
+from kvsvc.client import KVCacheClient
+from kvsvc.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    LayoutMismatch,
+    MappingLost,
+    RegionUnavailable,
+    TransferUnprovable,
+)
+from kvsvc.kvcache import SharedKVCache, rank_context
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+LAYOUTS = {
+    # vLLM: per layer [2, num_blocks, block_size, kv_heads, head_dim]
+    "vllm": dict(layer_shape=None, block_dim=1),
+    # FlashInfer / SGLang style: [num_blocks, 2, block_size, kv_heads, head_dim]
+    "blocks_first": dict(layer_shape=(12, 2, 4, 2, 16), block_dim=0),
+    # blocks in the middle of a [kv_heads, num_blocks, block_size, head_dim] layout
+    "blocks_middle": dict(layer_shape=(2, 12, 4, 16), block_dim=1),
+}
+
+
+def make_cache(shm_dir: Path, name: str, dtype=torch.bfloat16, layout="vllm", layers=3):
+    return SharedKVCache(
+        name,
+        num_layers=layers,
+        num_blocks=12,
+        block_size=4,
+        kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        shm_dir=str(shm_dir),
+        **LAYOUTS[layout],
+    )
+
+
+def fill_random(cache: SharedKVCache, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype))
+
+
+def blocks(cache: SharedKVCache, ids: list[int]) -> list[torch.Tensor]:
+    return [
+        layer.index_select(cache.block_dim, torch.tensor(ids)).clone() for layer in cache.layers
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_round_trip_tp2_into_other_blocks_is_bit_exact(client, shm_dir, dtype, layout) -> None:
+    src = [make_cache(shm_dir, f"src{r}", dtype, layout) for r in range(2)]
+    dst = [make_cache(shm_dir, f"dst{r}", dtype, layout) for r in range(2)]
+    for r, c in enumerate(src):
+        fill_random(c, seed=r)
+    ctx = [rank_context(tp_rank=r, tp_size=2, group_id="g") for r in range(2)]
+    m_src = client.map("llama", [c.rank_region(ctx[i]) for i, c in enumerate(src)])
+    m_dst = client.map("llama", [c.rank_region(ctx[i]) for i, c in enumerate(dst)])
+    assert m_src.layout_fingerprint == m_dst.layout_fingerprint
+    assert m_src.num_blocks == 12
+
+    chunks = [(b"chunk-a", [0, 1, 2]), (b"chunk-b", [7, 3, 9])]
+    r = client.store(m_src, chunks)
+    assert r.stored_chunks == 2 and r.stored_bytes == 6 * m_src.block_bytes
+    assert client.lookup([b"chunk-a", b"chunk-b", b"x"], mapping=m_src) == 2
+
+    targets = [(b"chunk-a", [11, 10, 4]), (b"chunk-b", [5, 6, 8])]
+    got = client.retrieve(m_dst, targets)
+    assert got.loaded_chunks == 2 and got.loaded_bytes == r.stored_bytes
+    for rank in range(2):
+        for (_, s_ids), (_, d_ids) in zip(chunks, targets, strict=True):
+            for a, b in zip(blocks(src[rank], s_ids), blocks(dst[rank], d_ids), strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert client.leased_blocks(m_dst) == set()
+
+
+def test_retrieve_with_a_miss_loads_only_the_prefix(client, shm_dir) -> None:
+    src, dst = make_cache(shm_dir, "src"), make_cache(shm_dir, "dst")
+    fill_random(src, 1)
+    sentinel = torch.full_like(dst.layers[0], 7)
+    for layer in dst.layers:
+        layer.copy_(sentinel)
+    m_src, m_dst = client.map("ns", [src.rank_region()]), client.map("ns", [dst.rank_region()])
+    client.store(m_src, [(b"a", [0]), (b"c", [2])])
+    got = client.retrieve(m_dst, [(b"a", [5]), (b"b", [6]), (b"c", [7])])
+    assert got.loaded_chunks == 1
+    assert torch.equal(blocks(dst, [5])[0], blocks(src, [0])[0])
+    for b in (6, 7):  # after the miss: never touched
+        for layer in dst.layers:
+            assert torch.equal(layer.select(1, b), sentinel.select(1, b))
+
+
+def test_layout_mismatch_is_an_error_not_corrupt_data(client, shm_dir) -> None:
+    bf = make_cache(shm_dir, "bf", torch.bfloat16)
+    fp = make_cache(shm_dir, "fp", torch.float16)
+    m_bf, m_fp = client.map("ns", [bf.rank_region()]), client.map("ns", [fp.rank_region()])
+    client.store(m_bf, [(b"k", [0])])
+    assert client.lookup([b"k"], mapping=m_fp) == 0
+    assert client.lookup([b"k"], namespace="ns") == 1
+    with pytest.raises(LayoutMismatch) as ei:
+        client.retrieve(m_fp, [(b"k", [0])])
+    assert ei.value.reason == "LAYOUT_MISMATCH"
+    assert client.leased_blocks(m_fp) == set()
+
+
+def test_map_is_all_or_none_and_names_the_failing_rank(server, client, shm_dir) -> None:
+    caches = [make_cache(shm_dir, f"r{i}") for i in range(4)]
+    regions = [
+        c.rank_region(rank_context(tp_rank=i, tp_size=4, pp_rank=1, pp_size=2, group_id="grp-7"))
+        for i, c in enumerate(caches)
+    ]
+    regions[2].tensors[1].handle.shared_memory.name = "../escape"
+    before = _open_fds(shm_dir)
+    with pytest.raises(InvalidRequest) as ei:
+        client.map("ns", regions)
+    e = ei.value
+    assert e.metadata["tpRank"] == "2" and e.metadata["ppRank"] == "1"
+    assert e.metadata["groupId"] == "grp-7"
+    assert "rank 2" in e.message and "tp_rank=2" in e.message and "pp_rank=1" in e.message
+    assert client.server_info().mappings == 0
+    assert _open_fds(shm_dir) == before  # ranks 0 and 1 were rolled back
+    # the same request, fixed, maps; mapping it again is idempotent
+    regions[2].tensors[1].handle.shared_memory.name = "r2"
+    m1 = client.map("ns", regions)
+    m2 = client.map("ns", regions)
+    assert m1.mapping_id == m2.mapping_id and client.server_info().mappings == 1
+
+
+def _open_fds(shm_dir: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(shm_dir)):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_map_waits_for_a_region_created_late(client, shm_dir) -> None:
+    probe = make_cache(shm_dir, "late")
+    region = probe.rank_region()
+    probe.close()  # the file is gone; it appears 200 ms after Map starts
+    timer = threading.Timer(0.2, lambda: fill_random(make_cache(shm_dir, "late"), 0))
+    timer.start()
+    t0 = time.monotonic()
+    m = client.map("ns", [region], timeout=5)
+    assert time.monotonic() - t0 >= 0.15 and m.num_blocks == 12
+    timer.join()
+
+
+def test_map_of_a_region_never_created_names_the_last_cause(client, shm_dir) -> None:
+    probe = make_cache(shm_dir, "never")
+    region = probe.rank_region()
+    probe.close()
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as ei:
+        client.map("ns", [region], timeout=0.5)
+    assert time.monotonic() - t0 < 1.5
+    assert ei.value.reason == "REGION_NOT_READY"
+    assert "No such file" in ei.value.message and "No such file" in ei.value.metadata["lastError"]
+
+
+def test_hostile_input_is_invalid_argument_and_server_stays_serving(server, client, shm_dir):
+    cache = make_cache(shm_dir, "ok")
+    outside = shm_dir.parent / "outside"
+    outside.write_bytes(b"\0" * cache.size)
+    os.symlink(outside, shm_dir / "link")
+    for name in ("../outside", "/etc/passwd", "link", "..", "a/b", ""):
+        region = cache.rank_region()
+        region.tensors[0].handle.shared_memory.name = name
+        with pytest.raises(InvalidRequest) as ei:
+            client.map("ns", [region])
+        assert ei.value.reason == "INVALID_REGION_NAME", name
+    # a shape whose extent exceeds the handle
+    region = cache.rank_region()
+    region.tensors[0].shape[1] = 10_000
+    with pytest.raises(InvalidRequest) as ei:
+        client.map("ns", [region])
+    assert ei.value.reason == "TENSOR_OUT_OF_BOUNDS"
+    # out-of-range and empty block lists
+    m = client.map("ns", [cache.rank_region()])
+    with pytest.raises(InvalidRequest) as ei:
+        client.store(m, [(b"k", [12])])
+    assert ei.value.reason == "BLOCK_OUT_OF_RANGE" and ei.value.metadata["blockId"] == "12"
+    with pytest.raises(InvalidRequest):
+        client.retrieve(m, [(b"k", [])])
+    assert client.leased_blocks(m) == set()
+    assert health_status(server.address) == SERVING
+
+
+def test_truncating_a_mapped_region_does_not_kill_the_server(server, client, shm_dir) -> None:
+    cache = make_cache(shm_dir, "victim", layers=4)
+    fill_random(cache, 3)
+    m = client.map("ns", [cache.rank_region()])
+    client.store(m, [(b"before", [0, 1])])
+    stop = threading.Event()
+
+    def truncate_loop() -> None:
+        while not stop.is_set():
+            os.truncate(cache.path, 4096)
+            time.sleep(0.002)
+            os.truncate(cache.path, cache.size)
+
+    t = threading.Thread(target=truncate_loop)
+    t.start()
+    errors = 0
+    try:
+        for i in range(40):
+            try:
+                client.store(m, [(b"k%d" % i, [i % 12, (i + 1) % 12])])
+            except RegionUnavailable as exc:
+                assert exc.reason == "REGION_TRUNCATED"
+                errors += 1
+    finally:
+        stop.set()
+        t.join()
+    os.truncate(cache.path, 0)
+    with pytest.raises(RegionUnavailable) as ei:
+        client.store(m, [(b"after", [3])])
+    assert ei.value.reason == "REGION_TRUNCATED"
+    assert client.leased_blocks(m) == set()  # FINISHED: safe to reuse
+    assert health_status(server.address) == SERVING
+    assert client.lookup([b"before"], mapping=m) == 1
+
+
+def test_deadline_too_short_is_not_started(make_server, shm_dir) -> None:
+    srv = make_server(store_bytes=512 << 20)
+    big = SharedKVCache(
+        "big",
+        num_layers=4,
+        num_blocks=64,
+        block_size=64,
+        kv_heads=8,
+        head_dim=128,
+        shm_dir=str(shm_dir),
+    )  # 64 blocks x 1 MiB
+    with KVCacheClient(srv.address) as c:
+        m = c.map("ns", [big.rank_region()])
+        srv.server.servicer.engine.rate.bytes_per_s = 1e9  # the server's estimate
+        with pytest.raises(DeadlineExceeded) as ei:
+            c.store(m, [(b"k", list(range(64)))], timeout=0.05)
+        assert ei.value.reason == "DEADLINE_TOO_SHORT"
+        assert (
+            ei.value.transfer_state == pb.TransferState.Value("TRANSFER_STATE_NOT_STARTED")
+            if hasattr(pb, "TransferState")
+            else True
+        )
+        assert c.leased_blocks(m) == set()
+        assert c.lookup([b"k"], mapping=m) == 0
+
+
+def test_slow_copy_outlives_client_deadline_then_fence_proves_it(spawn, shm_dir) -> None:
+    srv = spawn(env={"KVSVC_FAILPOINTS": "transfer.copy=sleep(1500)"})
+    cache = make_cache(shm_dir, "slow")
+    with KVCacheClient(srv.address) as c:
+        m = c.map("ns", [cache.rank_region()])
+        with pytest.raises(TransferUnprovable) as ei:
+            c.store(m, [(b"a", [0]), (b"b", [1])], timeout=0.5)
+        assert ei.value.transfer_state == 3  # UNKNOWN
+        assert c.leased_blocks(m) == {0, 1}
+        r = c.fence(m, timeout=10)
+        assert r.waited_transfers == 1
+        assert c.leased_blocks(m) == set()
+        assert c.lookup([b"a", b"b"], mapping=m) == 2  # the copy did finish
+
+
+def test_unmap_waits_for_the_copy_in_flight(spawn, shm_dir) -> None:
+    srv = spawn(env={"KVSVC_FAILPOINTS": "transfer.copy=sleep(800)"})
+    cache = make_cache(shm_dir, "busy")
+    with KVCacheClient(srv.address) as c:
+        m = c.map("ns", [cache.rank_region()])
+        fut = c.store_async(m, [(b"a", [0]), (b"b", [1])])
+        time.sleep(0.3)
+        r = c.unmap(m, timeout=10)
+        assert r.fenced_transfers == 1
+        assert fut.done() and fut.result(0).stored_chunks == 2
+        with pytest.raises(MappingLost):
+            c.store(m, [(b"c", [2])])
+
+
+def test_unmap_that_cannot_fence_in_time_keeps_the_mapping(spawn, shm_dir) -> None:
+    srv = spawn(env={"KVSVC_FAILPOINTS": "transfer.copy=sleep(1500)"})
+    cache = make_cache(shm_dir, "busy")
+    with KVCacheClient(srv.address) as c:
+        m = c.map("ns", [cache.rank_region()])
+        fut = c.store_async(m, [(b"a", [0]), (b"b", [1])])
+        time.sleep(0.3)
+        with pytest.raises(TransferUnprovable) as ei:
+            c.unmap(m, timeout=0.3)
+        assert ei.value.reason == "UNMAP_FENCE_TIMEOUT" or ei.value.metadata.get("grpcCode")
+        assert fut.result(10).stored_chunks == 2
+        assert c.server_info().mappings == 1
+        assert c.unmap(m).fenced_transfers == 0
+
+
+def test_fence_bars_a_transfer_id_it_has_not_seen(client, shm_dir) -> None:
+    cache = make_cache(shm_dir, "f")
+    m = client.map("ns", [cache.rank_region()])
+    r = client.fence(m, ["late-request-1"])
+    assert r.barred_transfers == 1
+    import grpc
+
+    from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(client.target) as ch:
+        resp = pb_grpc.KVCacheServiceStub(ch).Store(
+            pb.StoreRequest(
+                header=pb.RequestHeader(request_id="late-request-1"),
+                blocks=pb.BlockChunks(
+                    mapping_id=m.mapping_id, chunks=[pb.BlockChunk(key=b"k", block_ids=[0])]
+                ),
+            ),
+            timeout=5,
+        )
+    assert resp.error.reason == "TRANSFER_BARRED"
+    assert resp.error.transfer_state == 1  # NOT_STARTED
+    assert client.lookup([b"k"], mapping=m) == 0
