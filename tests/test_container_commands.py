@@ -17,6 +17,7 @@ names, KVSVC_* names, memory arithmetic). No Docker engine is needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +256,27 @@ def base_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def only_kvsvc_env(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with exactly the KVSVC_* variables of `env`, for the duration."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("KVSVC_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update({k: v for k, v in env.items() if k.startswith("KVSVC_")})
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("KVSVC_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def config_from_env(env: dict[str, str]) -> ServerConfig:
+    """The ServerConfig `kvsvc serve` builds from these KVSVC_* variables alone."""
+    with only_kvsvc_env(env):
+        return parse_server_config([])
+
+
 def resolve(argv: list[str], env: dict[str, str]) -> list[str]:
     exe = shutil.which(argv[0], path=env["PATH"])
     assert exe, f"{argv[0]!r} (the container's command) is not on PATH"
@@ -293,14 +316,7 @@ def test_image_and_compose_agree_with_the_server():
         assert name in KNOWN_ENV, f"{name} is not a kvsvc serve setting (typo?)"
     assert IMAGE.user and IMAGE.user.split(":")[0] not in ("0", "root"), IMAGE.user
 
-    old = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("KVSVC_")}
-    os.environ.update({k: v for k, v in env.items() if k.startswith("KVSVC_")})
-    try:
-        config = parse_server_config([])
-    finally:
-        for k in [k for k in os.environ if k.startswith("KVSVC_")]:
-            del os.environ[k]
-        os.environ.update(old)
+    config = config_from_env(env)
     listen_host, listen_port = host_port(config.listen)
     assert listen_host == "0.0.0.0", "the container must listen on all its interfaces"
     assert config.metrics_port > 0, "metrics must be on in the image"
@@ -329,7 +345,7 @@ def test_image_and_compose_agree_with_the_server():
     assert demo_svc.get("user", IMAGE.user) == server_svc.get("user", IMAGE.user)
 
 
-def test_kubernetes_manifests_agree_with_the_server(monkeypatch):
+def test_kubernetes_manifests_agree_with_the_server():
     docs = {}
     for path in sorted(K8S.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
@@ -338,11 +354,7 @@ def test_kubernetes_manifests_agree_with_the_server(monkeypatch):
     data = docs["ConfigMap"]["data"]
     for name in data:
         assert name in KNOWN_ENV, f"ConfigMap key {name} is not a kvsvc serve setting"
-    for k in [k for k in os.environ if k.startswith("KVSVC_")]:
-        monkeypatch.delenv(k)
-    for k, v in data.items():
-        monkeypatch.setenv(k, v)
-    config = parse_server_config([])
+    config = config_from_env(data)
 
     pod = docs["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -412,7 +424,7 @@ def _terminate(proc: subprocess.Popen) -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def kv_server(tmp_path_factory):
     svc = SERVICES[SERVER_SERVICE]
     container_env = service_env(IMAGE, svc)
     _, container_port = host_port(container_env["KVSVC_LISTEN"])
@@ -462,33 +474,31 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def test_server_becomes_healthy_per_the_healthcheck(server):
+def test_server_becomes_healthy_per_the_healthcheck(kv_server):
     flags = probe_flags(IMAGE.healthcheck or [])
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not health_probe(server.health_addr, flags["service"]):
-        assert server.proc.poll() is None, f"server exited:\n{server.output()}"
-        assert time.monotonic() < deadline, f"not SERVING in {START_TIMEOUT_S}s:\n{server.output()}"
+    while not health_probe(kv_server.health_addr, flags["service"]):
+        assert kv_server.proc.poll() is None, f"server exited:\n{kv_server.output()}"
+        assert time.monotonic() < deadline, (
+            f"not SERVING in {START_TIMEOUT_S}s:\n{kv_server.output()}"
+        )
         time.sleep(0.25)
-    assert health_probe(server.health_addr, "")  # what the Kubernetes liveness probe asks
+    assert health_probe(kv_server.health_addr, "")  # what the Kubernetes liveness probe asks
     # The probe can fail: a service the server does not know is not SERVING.
-    assert not health_probe(server.health_addr, "no.such.Service")
+    assert not health_probe(kv_server.health_addr, "no.such.Service")
 
 
-def test_metrics_endpoint(server):
+def test_metrics_endpoint(kv_server):
     from kvsvc.v1 import kv_cache_service_pb2 as pb
     from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(server.addr) as channel:
+    with grpc.insecure_channel(kv_server.addr) as channel:
         info = pb_grpc.KVCacheServiceStub(channel).GetServerInfo(
             pb.GetServerInfoRequest(), timeout=10
         )
     assert info.WhichOneof("outcome") != "error", info
-    samples = scrape(server.metrics_url)
-    store_bytes = (
-        _parse_size(server.env["KVSVC_STORE_BYTES"])
-        if "KVSVC_STORE_BYTES" in (server.env)
-        else ServerConfig.store_bytes
-    )
+    samples = scrape(kv_server.metrics_url)
+    store_bytes = config_from_env(kv_server.env).store_bytes
     assert samples["kvsvc_store_capacity_bytes"] >= store_bytes  # aligned up to 4 KiB
     assert samples["kvsvc_store_capacity_bytes"] == info.result.capacity_bytes
     assert samples["kvsvc_serving"] == 1.0
@@ -497,18 +507,20 @@ def test_metrics_endpoint(server):
 
 @pytest.mark.skipif(not DEMO_AVAILABLE, reason="`kvsvc demo --help` fails: demo not there yet")
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
-def test_compose_demo_command(server):
-    assert health_probe(server.health_addr, SERVICE_NAME), server.output()
+def test_compose_demo_command(kv_server):
+    assert health_probe(kv_server.health_addr, SERVICE_NAME), kv_server.output()
     argv = service_argv(IMAGE, SERVICES[DEMO_SERVICE])
     i = argv.index("--target") + 1
-    argv[i] = server.addr  # kvsvc:50051 inside compose's network
+    argv[i] = kv_server.addr  # kvsvc:50051 inside compose's network
     # In compose the demo shares the server's /dev/shm (ipc: service:kvsvc); here
     # the server maps regions from a temporary directory, so the demo uses it too.
-    if "--shm-dir" not in argv:
-        argv += ["--shm-dir", server.shm_dir]
+    if "--shm-dir" in argv:
+        argv[argv.index("--shm-dir") + 1] = kv_server.shm_dir
+    else:
+        argv += ["--shm-dir", kv_server.shm_dir]
     demo_env = base_env(service_env(IMAGE, SERVICES[DEMO_SERVICE]))
-    demo_env["KVSVC_SHM_DIR"] = server.shm_dir
-    before = scrape(server.metrics_url)
+    demo_env["KVSVC_SHM_DIR"] = kv_server.shm_dir
+    before = scrape(kv_server.metrics_url)
     done = subprocess.run(
         resolve(argv, demo_env),
         env=demo_env,
@@ -518,15 +530,16 @@ def test_compose_demo_command(server):
         check=False,
     )
     assert done.returncode == 0, (
-        f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}\n{server.output()}"
+        f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}\n"
+        f"server log:\n{kv_server.output()}"
     )
-    after = scrape(server.metrics_url)
+    after = scrape(kv_server.metrics_url)
     for rpc in ("Map", "Store", "Retrieve"):
         key = f'kvsvc_requests_total{{outcome="result",rpc="{rpc}"}}'
         assert after.get(key, 0.0) > before.get(key, 0.0), f"demo made no successful {rpc}"
 
 
-def test_sigterm_exits_0(server):
-    assert server.proc.poll() is None, server.output()
-    rc = _terminate(server.proc)
-    assert rc == 0, f"exit status {rc} after SIGTERM:\n{server.output()}"
+def test_sigterm_exits_0(kv_server):
+    assert kv_server.proc.poll() is None, kv_server.output()
+    rc = _terminate(kv_server.proc)
+    assert rc == 0, f"exit status {rc} after SIGTERM:\n{kv_server.output()}"

@@ -32,7 +32,7 @@ def test_inline_round_trip_is_bit_exact(client: KVCacheClient) -> None:
     keys = [b"k%d" % i for i in range(3)]
     r = client.put("ns", list(zip(keys, data, strict=True)))
     assert (r.stored_chunks, r.present_chunks) == (3, 0)
-    assert client.lookup(keys + [b"missing"], namespace="ns") == 3
+    assert client.lookup([*keys, b"missing"], namespace="ns") == 3
     assert client.lookup([b"missing", *keys], namespace="ns") == 0
     assert client.get_many("ns", keys) == data
     # another namespace never sees them

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -50,6 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_server_arguments(serve)
 
+    demo = sub.add_parser(
+        "demo",
+        help="map a synthetic KV cache, store, look up, retrieve, verify, show errors",
+        description="Run the kvsvc demo against --target, or against a server it starts itself.",
+    )
+    demo.add_argument(
+        "--target",
+        default=None,
+        help="HOST:PORT or unix:PATH of a running server (default: start one)",
+    )
+    demo.add_argument(
+        "--shm-dir",
+        default=os.environ.get("KVSVC_SHM_DIR", "/dev/shm"),
+        help="shared-memory directory the server maps from (env KVSVC_SHM_DIR)",
+    )
+
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
     args = parser.parse_args(argv)
@@ -59,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvsvc.server import serve as run_server
 
         return asyncio.run(run_server(config))
+    if args.command == "demo":
+        from kvsvc.demo import run_demo
+
+        setup_logging("WARNING", "text")
+        return run_demo(args.target, args.shm_dir)
     if args.command == "failpoints":
         from kvsvc import failpoints
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -124,7 +125,7 @@ _HELP = {
     "log_format": "'text' or 'json' (one JSON object per line, with request ids)",
     "log_level": "logging level (DEBUG, INFO, WARNING, ERROR)",
 }
-_TYPES = {
+_TYPES: dict[str, Callable[[str], Any]] = {
     "store_bytes": _parse_size,
     "transfer_threads": _positive_int,
     "shutdown_grace": _positive_float,
@@ -153,7 +154,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=default_b, help=help_text
             )
             continue
-        conv = _TYPES.get(f.name, str)
+        conv: Callable[[str], Any] = _TYPES.get(f.name, str)
         default = os.environ.get(env, f.default)
         if isinstance(default, str) and f.name in _TYPES:
             try:

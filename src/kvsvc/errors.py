@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import grpc
 
@@ -23,7 +23,7 @@ ENVELOPE_VERSION = 1
 MAX_MESSAGE_BYTES = 4096
 MAX_REASON_CHARS = 63
 
-TransferState = error_pb2.TransferState.ValueType
+TransferState: TypeAlias = int  # a kvsvc.v1.TransferState value
 NO_TRANSFER: TransferState = error_pb2.TRANSFER_STATE_UNSPECIFIED
 NOT_STARTED: TransferState = error_pb2.TRANSFER_STATE_NOT_STARTED
 FINISHED: TransferState = error_pb2.TRANSFER_STATE_FINISHED
@@ -227,8 +227,13 @@ def _status_to_proto(code: grpc.StatusCode) -> error_pb2.Code.ValueType:
     return error_pb2.Code.ValueType(code.value[0])
 
 
-def to_remote_error(exc: BaseException, request_id: str) -> error_pb2.RemoteError:
-    """Build the bounded envelope for ``exc``; the traceback never goes on the wire."""
+def to_remote_error(
+    exc: BaseException, request_id: str, default_state: TransferState = NO_TRANSFER
+) -> error_pb2.RemoteError:
+    """Build the bounded envelope for ``exc``; the traceback never goes on the wire.
+
+    ``default_state`` is what the caller knows of the transfer when ``exc`` says nothing.
+    """
     if isinstance(exc, KVServiceError):
         cls_code, reason, retryable = exc.code, exc.reason, exc.retryable
         metadata, state, type_name = exc.metadata, exc.transfer_state, exc.type
@@ -248,7 +253,7 @@ def to_remote_error(exc: BaseException, request_id: str) -> error_pb2.RemoteErro
         metadata={k: truncate_utf8(v, 1024)[0] for k, v in metadata.items()},
         request_id=request_id,
         retryable=retryable,
-        transfer_state=state,
+        transfer_state=error_pb2.TransferState.ValueType(state or default_state),
     )
 
 

@@ -136,7 +136,7 @@ def describe_cuda_tensors(
                         event_sync_required=ev_sync,
                     )
                 ),
-                offset_bytes=t.storage_offset() * t.element_size(),
+                offset_bytes=int(t.storage_offset()) * t.element_size(),
                 shape=list(t.shape),
                 strides=list(t.stride()),
                 dtype=_dtype_code(t.dtype),  # type: ignore[arg-type]

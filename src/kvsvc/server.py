@@ -143,10 +143,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             log.info("%s %s failed: %s", name, call.request_id, exc)
         else:  # the traceback stays here, found by the request id
             log.error("%s %s failed", name, call.request_id, exc_info=exc)
-        envelope = to_remote_error(exc, call.request_id)
-        if call.transfer and envelope.transfer_state == NO_TRANSFER:
-            # The engine has returned or raised, so no copy of this call still runs.
-            envelope.transfer_state = FINISHED if call.started else NOT_STARTED
+        # In a transfer RPC the engine has returned or raised by now, so no copy of
+        # this call still runs: the state is FINISHED, or NOT_STARTED if none began.
+        state = (FINISHED if call.started else NOT_STARTED) if call.transfer else NO_TRANSFER
+        envelope = to_remote_error(exc, call.request_id, state)
         if getattr(exc, "fatal", False) or not isinstance(exc, Exception):
             await self.health.fatal(envelope.reason, envelope.message)
         return response_cls(error=envelope)

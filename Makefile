@@ -1,0 +1,63 @@
+# The two commands of the README: `make serve` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Where torch is missing, this is what gets installed: on these machines the CPU
+# wheel on disk. Elsewhere pass e.g. TORCH_SPEC="torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/cpu" to avoid a multi-GB CUDA download, or
+# bring your own CUDA build first (any torch in pyproject's range is kept).
+TORCH_SPEC ?= torch==2.13.0
+BUF := tools/node_modules/.bin/buf
+BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
+
+.PHONY: serve test install proto check-proto lint typecheck buf pytest clients deploy clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/kvsvc serve
+
+test: install lint typecheck check-proto buf pytest clients deploy
+	@echo "make test: all checks passed"
+
+proto: install
+	./scripts/gen_proto.sh
+
+# Regenerate into a temp dir; fail if the committed code drifted from proto/.
+check-proto: install
+	@tmp=$$(mktemp -d) && PATH=$(VENV)/bin:$$PATH ./scripts/gen_proto.sh $$tmp >/dev/null && \
+	  diff -r -x __init__.py -x __pycache__ $$tmp/kvsvc/v1 src/kvsvc/v1 && \
+	  echo "generated code matches proto/" && rm -rf $$tmp
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+$(BUF):
+	cd tools && npm ci --no-audit --no-fund
+
+buf: $(BUF)
+	$(BUF) lint
+	@if [ -f $(BUF_BASELINE) ]; then $(BUF) breaking --against $(BUF_BASELINE) && echo "buf breaking: compatible with $(BUF_BASELINE)"; \
+	  else echo "buf breaking: no baseline yet (see README)"; fi
+
+pytest: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clients: install
+	@if [ -x scripts/check_clients.sh ]; then ./scripts/check_clients.sh; else echo "clients: none yet"; fi
+
+deploy: install
+	@if [ -x scripts/check_deploy.sh ]; then ./scripts/check_deploy.sh; else echo "deploy: none yet"; fi
+
+clean:
+	rm -rf $(VENV) tools/node_modules
