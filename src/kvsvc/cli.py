@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvsvc import failpoints
 
         print("Set KVSVC_FAILPOINTS='name=[TAG@][P*]ACTION;...' before the server starts.")
-        print("Actions: raise, sleep(MS), hang, panic.\n")
+        print(
+            "Actions: raise, sleep(MS), hang, kill-thread; TAG@ limits a point to a rank or RPC.\n"
+        )
         for name, where in failpoints.POINTS.items():
             print(f"  {name:24} {where}")
         return 0

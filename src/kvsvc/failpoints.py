@@ -5,7 +5,7 @@ process starts, e.g. ``transfer.before_copy=raise;store.put=sleep(2000)``.
 No request can enable one: the table is read once, from the environment.
 
 Actions: ``raise`` (a RuntimeError), ``sleep(MS)``, ``hang`` (blocks the thread
-for good), ``panic`` (raises a BaseException that no handler code expects).
+for good), ``kill-thread`` (raises a BaseException: a transfer worker dies of it).
 An action may be prefixed with a probability, ``0.01*raise``, and with a tag
 that limits it to one rank or RPC, ``map.rank=2@raise``, ``handler.enter=Lookup@raise``.
 """
@@ -27,15 +27,17 @@ POINTS: dict[str, str] = {
     "map.rank": "Map, before each rank is opened (tag: the rank index)",
 }
 
-_ACTION = re.compile(r"^(?:(?P<p>[0-9.]+)\*)?(?P<name>raise|hang|panic|sleep\((?P<ms>\d+)\))$")
+_ACTION = re.compile(
+    r"^(?:(?P<p>[0-9.]+)\*)?(?P<name>raise|hang|kill-thread|sleep\((?P<ms>\d+)\))$"
+)
 
 
 class FailpointError(RuntimeError):
     """Raised by a ``raise`` failpoint."""
 
 
-class FailpointPanic(BaseException):
-    """Raised by a ``panic`` failpoint: not an Exception, like a dying thread."""
+class FailpointThreadKill(BaseException):
+    """Raised by ``kill-thread``: not an Exception, so it kills the thread it hits."""
 
 
 def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
@@ -81,5 +83,5 @@ def hit(name: str, tag: object = None) -> None:
         time.sleep(ms / 1000)
     elif kind == "hang":
         threading.Event().wait()
-    elif kind == "panic":
-        raise FailpointPanic(f"failpoint {name} panicked")
+    elif kind == "kill-thread":
+        raise FailpointThreadKill(f"failpoint {name} killed its thread")

@@ -30,6 +30,7 @@ from kvsvc.errors import (
     NOT_STARTED,
     UNKNOWN,
     DeadlineExceeded,
+    FatalServerError,
     InvalidRequest,
     KVServiceError,
     LayoutMismatch,
@@ -38,7 +39,7 @@ from kvsvc.errors import (
     UnsupportedRequest,
     to_remote_error,
 )
-from kvsvc.health import Health
+from kvsvc.health import Health, Watchdog
 from kvsvc.metrics import Metrics
 from kvsvc.regions import (
     Mapping,
@@ -132,6 +133,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.device = "cuda" if cuda else "cpu"
         self.store = ChunkStore(config.store_bytes, pin_memory=cuda)
         self.engine = TransferEngine(config.transfer_threads)
+        self.loop = asyncio.get_running_loop()
+        self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
         self.metrics = Metrics(self)
@@ -148,8 +151,21 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         state = (FINISHED if call.started else NOT_STARTED) if call.transfer else NO_TRANSFER
         envelope = to_remote_error(exc, call.request_id, state)
         if getattr(exc, "fatal", False) or not isinstance(exc, Exception):
-            await self.health.fatal(envelope.reason, envelope.message)
+            self.fatal(
+                exc
+                if isinstance(exc, KVServiceError)
+                else FatalServerError(envelope.message, reason=envelope.reason)
+            )
         return response_cls(error=envelope)
+
+    def fatal(self, exc: KVServiceError) -> None:
+        """Stop serving (on the loop): health NOT_SERVING at once, queued copies fail
+        fast, callers of running copies get TransferUnprovable now."""
+        self.health.fatal_now(exc.reason, exc.message)
+        self.engine.fail(exc)
+
+    def fatal_threadsafe(self, exc: KVServiceError) -> None:
+        self.loop.call_soon_threadsafe(self.fatal, exc)
 
     # --- helpers ---
     def _mapping(self, mapping_id: str) -> Mapping:
@@ -543,6 +559,13 @@ class Server:
     async def start(self) -> None:
         await self.health.start()
         await self.grpc.start()
+        self.watchdog = Watchdog(
+            asyncio.get_running_loop(),
+            self.servicer.engine,
+            self.config.stall_timeout,
+            self.servicer.fatal_threadsafe,
+        )
+        self.watchdog.start()
         if self.config.metrics_port:
             unix = self.config.listen.startswith("unix:")
             host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
@@ -573,18 +596,29 @@ class Server:
                 sorted(engine.inflight),
             )
         engine.shutdown()
+        self.watchdog.stop()
 
 
 async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT; exit 0 after a graceful drain."""
+    """Run until SIGTERM/SIGINT (exit 0 after a graceful drain), or, with
+    --exit-on-fatal, until a fatal failure (exit 3 once copies are fenced)."""
     server = Server(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
+    waits = [asyncio.ensure_future(stop.wait())]
+    if config.exit_on_fatal:
+        waits.append(asyncio.ensure_future(server.health.fatal_event.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    fatal = server.health.failure_reason if not stop.is_set() else ""
+    if fatal:
+        log.error("exiting after fatal failure %s (--exit-on-fatal)", fatal)
+    else:
+        log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
     await server.stop()
     log.info("stopped")
-    return 0
+    return 3 if fatal else 0

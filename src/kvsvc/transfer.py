@@ -11,21 +11,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvsvc import failpoints
 from kvsvc.errors import (
     FINISHED,
     NOT_STARTED,
+    UNKNOWN,
     DeadlineExceeded,
     FatalServerError,
     InvalidRequest,
     KVServiceError,
+    ServiceNotServing,
 )
 
 log = logging.getLogger(__name__)
@@ -38,10 +41,12 @@ class Transfer:
     transfer_id: str
     mapping_id: str
     nbytes: int
-    done: asyncio.Future[None]
+    done: asyncio.Future[None]  # the copy has ended (what Fence waits for)
+    reply: asyncio.Future[None]  # the handler may answer (copy ended, or given up on)
     started_at: float = 0.0  # monotonic time the copy began; 0 = queued
     thread: str = ""
     abandoned: bool = False  # the client's call ended while the copy ran
+    failure: KVServiceError | None = None  # why the handler stopped waiting early
 
 
 @dataclass
@@ -65,16 +70,74 @@ def reply_budget(deadline: float) -> float:
     return max(0.0, remaining - min(0.05, 0.1 * remaining))
 
 
+class WorkerDied(BaseException):
+    """Set on a copy's future when its worker thread died under it."""
+
+
+class _Workers:
+    """Copy threads. Unlike a ThreadPoolExecutor, a thread here can really die (an
+    exception that is not an Exception escapes the copy); ``on_death`` is told."""
+
+    def __init__(self, n: int, on_death: Callable[[str, BaseException], None]) -> None:
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._on_death = on_death
+        self.threads = [
+            threading.Thread(target=self._run, name=f"kvsvc-copy-{i}", daemon=True)
+            for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((fut, fn))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller via the future
+                fut.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 - a dying thread reports, then dies
+                fut.set_exception(WorkerDied(f"{threading.current_thread().name}: {exc!r}"))
+                self._on_death(threading.current_thread().name, exc)
+                return  # the thread dies, as a real crash would
+
+    def alive(self) -> int:
+        return sum(t.is_alive() for t in self.threads)
+
+    def drain(self) -> list[concurrent.futures.Future[Any]]:
+        """Take every queued (not started) copy off the queue."""
+        out: list[concurrent.futures.Future[Any]] = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                out.append(item[0])
+
+    def shutdown(self) -> None:
+        for _ in self.threads:
+            self._queue.put(None)
+
+
 class TransferEngine:
     def __init__(self, threads: int) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="kvsvc-copy"
-        )
         self.inflight: dict[str, Transfer] = {}
         self._completed: OrderedDict[str, None] = OrderedDict()
         self._barred: OrderedDict[str, None] = OrderedDict()
         self.rate = _Rate()
-        self.accepting = True
+        self.failed: KVServiceError | None = None
+        #: Called (from any thread) with a fatal error: the server stops serving.
+        self.on_fatal: Callable[[KVServiceError], None] = lambda exc: None
+        self._workers = _Workers(threads, self._worker_died)
 
     def _remember(self, table: OrderedDict[str, None], tid: str) -> None:
         table[tid] = None
@@ -119,7 +182,9 @@ class TransferEngine:
             finalize(refused)
             raise
         loop = asyncio.get_running_loop()
-        transfer = Transfer(transfer_id, mapping_id, nbytes, loop.create_future())
+        transfer = Transfer(
+            transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
+        )
         self.inflight[transfer_id] = transfer
 
         def work() -> T:
@@ -154,11 +219,13 @@ class TransferEngine:
                 finalize(f)
             finally:
                 transfer.done.set_result(None)
+                if not transfer.reply.done():
+                    transfer.reply.set_result(None)
 
-        cf = self._executor.submit(work)
+        cf = self._workers.submit(work)
         cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
         try:
-            await asyncio.shield(transfer.done)
+            await asyncio.shield(transfer.reply)
         except asyncio.CancelledError:
             # A copy that has not started never will; one that has runs to its end,
             # stays in `inflight` until then, and is finalized by `finished`.
@@ -166,9 +233,29 @@ class TransferEngine:
                 transfer.abandoned = True
                 log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
             raise
-        return cf.result()
+        if transfer.failure is not None:
+            raise transfer.failure
+        if cf.cancelled():
+            raise self.failed or ServiceNotServing(
+                "the copy was cancelled before it started", transfer_state=NOT_STARTED
+            )
+        try:
+            return cf.result()
+        except WorkerDied as exc:
+            raise FatalServerError(
+                f"the transfer worker died during the copy: {exc}",
+                reason="TRANSFER_WORKER_DIED",
+                metadata={"transferId": transfer_id},
+                transfer_state=UNKNOWN,
+            ) from exc
 
     def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
+        if self.failed is not None:
+            raise ServiceNotServing(
+                f"transfers are refused after a fatal failure ({self.failed.reason})",
+                metadata={"failureReason": self.failed.reason},
+                transfer_state=NOT_STARTED,
+            )
         if transfer_id in self._barred:
             raise InvalidRequest(
                 f"transfer {transfer_id} was fenced before it arrived; it will never run",
@@ -184,6 +271,35 @@ class TransferEngine:
                 transfer_state=NOT_STARTED,
             )
         self.check_deadline(deadline, nbytes)
+
+    # --- failure ---
+    def _worker_died(self, thread: str, exc: BaseException) -> None:
+        log.critical("transfer worker %s died: %r", thread, exc)
+        self.on_fatal(
+            FatalServerError(
+                f"transfer worker {thread} died: {exc!r}",
+                reason="TRANSFER_WORKER_DIED",
+                metadata={"thread": thread},
+            )
+        )
+
+    def fail(self, exc: KVServiceError) -> None:
+        """After a fatal failure (on the loop): refuse new copies, fail queued ones at
+        once (NOT_STARTED), and answer the callers of stalled copies (UNKNOWN) now
+        rather than at their deadlines. Running copies stay tracked for Fence."""
+        if self.failed is None:
+            self.failed = exc
+        for f in self._workers.drain():
+            f.cancel()  # its done-callback finalizes it and answers NOT_STARTED
+        for t in self.inflight.values():
+            if t.started_at and not t.reply.done():
+                t.failure = FatalServerError(
+                    f"copy {t.transfer_id} cannot be proven to finish: {exc.message}",
+                    reason=exc.reason,
+                    metadata={"transferId": t.transfer_id, "thread": t.thread},
+                    transfer_state=UNKNOWN,
+                )
+                t.reply.set_result(None)
 
     async def fence(
         self, mapping_id: str, transfer_ids: Iterable[str], deadline: float | None
@@ -220,5 +336,8 @@ class TransferEngine:
             if t.started_at and now - t.started_at > stall_timeout
         ]
 
+    def workers_alive(self) -> int:
+        return self._workers.alive()
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()
