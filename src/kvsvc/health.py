@@ -133,16 +133,12 @@ class Watchdog:
         now = time.monotonic()
         stalled = self.engine.stalled(self.stall_timeout)
         if stalled:
-            t = stalled[0]
+            thread, tid, seconds = stalled[0]
             return FatalServerError(
-                f"copy {t.transfer_id} on {t.thread} has run {now - t.started_at:.1f} s, "
+                f"copy {tid} on {thread} has run {seconds:.1f} s, "
                 f"past the {self.stall_timeout:g} s stall timeout",
                 reason="TRANSFER_STALLED",
-                metadata={
-                    "transferId": t.transfer_id,
-                    "thread": t.thread,
-                    "stallTimeoutS": self.stall_timeout,
-                },
+                metadata={"transferId": tid, "thread": thread, "stallTimeoutS": self.stall_timeout},
             )
         if self.engine.workers_alive() < self._workers:
             return FatalServerError("a transfer worker thread died", reason="TRANSFER_WORKER_DIED")

@@ -13,6 +13,7 @@ through ``mmap``: a client that truncates its file then causes a short read
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
 import itertools
@@ -103,6 +104,20 @@ class TensorLayout:
             expected *= self.shape[i]
             k = i
         run_len = math.prod(self.shape[k:]) * el
+        if k == self.block_dim + 1 and self.strides[self.block_dim] * el == run_len:
+            # Blocks are adjacent runs: a range of consecutive ids is one run.
+            groups: list[list[int]] = []
+            for b in block_ids:
+                if groups and groups[-1][0] + groups[-1][1] == b:
+                    groups[-1][1] += 1
+                else:
+                    groups.append([b, 1])
+            lead = [[j * self.strides[i] for j in range(self.shape[i])] for i in range(k - 1)]
+            for parts in itertools.product(*lead):
+                base = self.offset + sum(parts) * el
+                for first, count in groups:
+                    yield base + first * self.strides[self.block_dim] * el, count * run_len
+            return
         axes = [
             [b * self.strides[i] for b in block_ids]
             if i == self.block_dim
@@ -392,6 +407,13 @@ def layout_fingerprint(ranks: list[RankMapping]) -> str:
 
 
 @dataclass
+class CopyPlan:
+    block_ids: list[int]
+    ops: list[tuple[ShmRegion, int, int, int]]
+    starts: list[int]  # chunk offset of each op, for bisect
+
+
+@dataclass
 class Mapping:
     """One engine's mapped ranks: the unit Store/Retrieve copy blocks of."""
 
@@ -435,50 +457,50 @@ class Mapping:
                 region.synchronize()
 
     # --- copies (run on transfer threads) ---
-    def _file_ops(self, block_ids: list[int]) -> Iterator[tuple[ShmRegion, int, int, int]]:
-        """Merged (region, region offset, chunk offset, length) for shared-memory copies."""
+    def plan(self, block_ids: list[int]) -> CopyPlan:
+        """The copy of one chunk: merged (region, region offset, chunk offset, length)
+        runs in chunk order (shared memory), or the block ids (CUDA)."""
+        if self.is_cuda:
+            return CopyPlan(block_ids, [], [])
+        ops: list[tuple[ShmRegion, int, int, int]] = []
         pos = 0
         for rank in self.ranks:
             for t in rank.tensors:
                 region = rank.regions[t.handle_key]
                 assert isinstance(region, ShmRegion)
-                cur: list[int] | None = None
                 for off, n in t.runs(block_ids):
-                    if cur is not None and cur[0] + cur[2] == off:
-                        cur[2] += n
+                    last = ops[-1] if ops else None
+                    if last is not None and last[0] is region and last[1] + last[3] == off:
+                        ops[-1] = (region, last[1], last[2], last[3] + n)
                     else:
-                        if cur is not None:
-                            yield region, cur[0], cur[1], cur[2]
-                        cur = [off, pos, n]
+                        ops.append((region, off, pos, n))
                     pos += n
-                if cur is not None:
-                    yield region, cur[0], cur[1], cur[2]
+        return CopyPlan(block_ids, ops, [op[2] for op in ops])
 
-    def gather(self, block_ids: list[int], dst: memoryview) -> int:
-        """Copy the blocks into ``dst`` (a chunk's bytes); returns its checksum."""
+    def copy_range(
+        self, plan: CopyPlan, buf: memoryview, lo: int, hi: int, *, to_store: bool
+    ) -> int:
+        """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
+        store); returns the xxh3 of those chunk bytes, hashed while still in cache."""
         hasher = xxhash.xxh3_64()
-        if self.is_cuda:
-            self._cuda_copy(block_ids, dst, to_store=True)
-            hasher.update(dst)
-            return hasher.intdigest()
-        for region, off, pos, n in self._file_ops(block_ids):
-            piece = dst[pos : pos + n]
-            region.read(off, piece)
-            hasher.update(piece)  # hashed while the piece is still in cache
+        i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
+        while i < len(plan.ops) and plan.ops[i][2] < hi:
+            region, off, pos, n = plan.ops[i]
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                piece = buf[a:b]
+                if to_store:
+                    region.read(off + (a - pos), piece)
+                    hasher.update(piece)
+                else:
+                    hasher.update(piece)
+                    region.write(off + (a - pos), piece)
+            i += 1
         return hasher.intdigest()
 
-    def scatter(self, block_ids: list[int], src: memoryview) -> int:
-        """Copy a chunk's bytes into the blocks; returns the checksum of what was read."""
-        hasher = xxhash.xxh3_64()
-        if self.is_cuda:
-            hasher.update(src)
-            self._cuda_copy(block_ids, src, to_store=False)
-            return hasher.intdigest()
-        for region, off, pos, n in self._file_ops(block_ids):
-            piece = src[pos : pos + n]
-            hasher.update(piece)
-            region.write(off, piece)
-        return hasher.intdigest()
+    def copy_cuda(self, plan: CopyPlan, buf: memoryview, *, to_store: bool) -> None:
+        """Copy a whole chunk between CUDA blocks and the pinned store."""
+        self._cuda_copy(plan.block_ids, buf, to_store=to_store)
 
     def _cuda_copy(self, block_ids: list[int], buf: memoryview, *, to_store: bool) -> None:
         host = torch.frombuffer(buf, dtype=torch.uint8)

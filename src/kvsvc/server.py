@@ -5,7 +5,6 @@ plus health, reflection, signals and graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import signal
@@ -42,6 +41,7 @@ from kvsvc.errors import (
 from kvsvc.health import Health, Watchdog
 from kvsvc.metrics import Metrics
 from kvsvc.regions import (
+    CopyPlan,
     Mapping,
     RankMapping,
     cuda_handles_of,
@@ -50,7 +50,7 @@ from kvsvc.regions import (
     rank_label,
     rank_metadata,
 )
-from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore, checksum
+from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore, checksum, segments
 from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
@@ -340,32 +340,29 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 self.store.abort(chunk)
             raise
         nbytes = sum(c.size for c, _ in todo)
-
-        def copy() -> list[int]:
-            digests = []
-            for i, (chunk, src) in enumerate(todo):
-                if i == 1:
-                    failpoints.hit("transfer.copy")
-                dst = self.store.chunk_view(chunk)
-                if kind == "blocks":
-                    digests.append(mapping.gather(src, dst))
-                else:
-                    dst[:] = src
-                    digests.append(checksum(dst))
-            return digests
-
+        pieces: list[Piece] = []
+        for ci, (chunk, src) in enumerate(todo):
+            dst = self.store.chunk_view(chunk)
+            if kind == "blocks":
+                pieces.extend(_block_pieces(mapping, mapping.plan(src), dst, ci, to_store=True))
+            else:
+                pieces.extend(_inline_store_pieces(src, dst, ci))
         stored = 0
 
-        def finalize(f: concurrent.futures.Future[list[int]]) -> None:
+        def finalize(results: list[list[Digest]] | None, error: BaseException | None) -> None:
             nonlocal stored
-            if f.cancelled() or f.exception() is not None:
+            if results is None:
                 for chunk, _ in todo:
                     self.store.abort(chunk)
                 return
-            for (chunk, _), digest in zip(todo, f.result(), strict=True):
-                stored += self.store.commit(chunk, digest)
+            digests: list[list[int]] = [[0] * len(segments(c.size)) for c, _ in todo]
+            for ci, si, digest in (d for group in results for d in group):
+                digests[ci][si] = digest
+            for (chunk, _), chunk_digests in zip(todo, digests, strict=True):
+                stored += self.store.commit(chunk, chunk_digests)
 
-        await self._transfer(call, "store", mapping_id, nbytes, copy, finalize)
+        if todo:
+            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize)
         if evicted:
             log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
         return pb.StoreResult(
@@ -383,14 +380,31 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         direction: str,
         mapping_id: str,
         nbytes: int,
-        fn: Callable[[], R],
-        finalize: Callable[[concurrent.futures.Future[R]], None],
-    ) -> R:
+        pieces: list[Piece],
+        finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
+    ) -> list[list[Digest]]:
+        """Run the pieces of one copy as a few tasks spread over the workers."""
+        n_tasks = max(1, min(len(pieces), 2 * self.config.transfer_threads))
+        per = -(-len(pieces) // n_tasks)
+        groups = [pieces[i : i + per] for i in range(0, len(pieces), per)]
+
+        def task(group: list[Piece], first: int) -> Callable[[], list[Digest]]:
+            def run() -> list[Digest]:
+                out: list[Digest] = []
+                for i, piece in enumerate(group):
+                    if first + i == 1:
+                        failpoints.hit("transfer.copy")
+                    out.extend(piece())
+                return out
+
+            return run
+
+        tasks = [task(g, i * per) for i, g in enumerate(groups)]
         call.started = True
         t0 = time.perf_counter()
         try:
             result = await self.engine.run(
-                call.request_id, mapping_id, nbytes, call.deadline, fn, finalize
+                call.request_id, mapping_id, nbytes, call.deadline, tasks, finalize
             )
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
@@ -433,27 +447,33 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if not chunks:
             return pb.RetrieveResult(transfer_id=call.request_id, server_start_id=self.start_id)
         nbytes = sum(c.size for c in chunks)
-
-        def copy() -> list[bytes]:
-            out: list[bytes] = []
-            for i, chunk in enumerate(chunks):
-                if i == 1:
-                    failpoints.hit("transfer.copy")
-                src = self.store.chunk_view(chunk)
-                if kind == "blocks":
-                    self.store.verify(chunk, mapping.scatter(targets[i], src))
-                else:
-                    data = bytes(src)
-                    self.store.verify(chunk, checksum(memoryview(data)))
-                    out.append(data)
-            return out
-
-        data = await self._transfer(
-            call, "retrieve", mapping_id, nbytes, copy, lambda _: self.store.release(chunks)
+        pieces: list[Piece] = []
+        outputs: list[bytearray] = []
+        for ci, chunk in enumerate(chunks):
+            src = self.store.chunk_view(chunk)
+            if kind == "blocks":
+                plan = mapping.plan(targets[ci])
+                pieces.extend(
+                    _block_pieces(
+                        mapping, plan, src, ci, to_store=False, verify=chunk, store=self.store
+                    )
+                )
+            else:
+                outputs.append(bytearray(chunk.size))
+                pieces.extend(_inline_load_pieces(self.store, chunk, src, outputs[-1]))
+        await self._transfer(
+            call,
+            "retrieve",
+            mapping_id,
+            nbytes,
+            pieces,
+            lambda results, error: self.store.release(chunks),
         )
         return pb.RetrieveResult(
             loaded_chunks=len(chunks),
-            chunks=[pb.InlineChunk(key=k, data=d) for k, d in zip(keys, data, strict=False)],
+            chunks=[
+                pb.InlineChunk(key=k, data=bytes(d)) for k, d in zip(keys, outputs, strict=False)
+            ],
             loaded_bytes=nbytes,
             transfer_id=call.request_id,
             server_start_id=self.start_id,
@@ -513,6 +533,77 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if self.health.failure_time:
             result.failure_time.CopyFrom(_timestamp(self.health.failure_time))
         return result
+
+
+Digest = tuple[int, int, int]  # (chunk index, segment index, xxh3)
+Piece = Callable[[], list[Digest]]
+
+
+def _block_pieces(
+    mapping: Mapping,
+    plan: CopyPlan,
+    buf: memoryview,
+    ci: int,
+    *,
+    to_store: bool,
+    verify: Chunk | None = None,
+    store: ChunkStore | None = None,
+) -> list[Piece]:
+    """One piece per checksum segment of a chunk (one per chunk on CUDA)."""
+    segs = segments(len(buf))
+
+    def check(si: int, digest: int) -> list[Digest]:
+        if verify is not None and store is not None:
+            store.verify(verify, si, digest)
+            return []
+        return [(ci, si, digest)]
+
+    if mapping.is_cuda:
+
+        def cuda_piece() -> list[Digest]:
+            out: list[Digest] = []
+            if not to_store:  # verify before the bytes reach the engine's blocks
+                for si, (lo, hi) in enumerate(segs):
+                    out += check(si, checksum(buf[lo:hi]))
+            mapping.copy_cuda(plan, buf, to_store=to_store)
+            if to_store:
+                for si, (lo, hi) in enumerate(segs):
+                    out += check(si, checksum(buf[lo:hi]))
+            return out
+
+        return [cuda_piece]
+
+    def piece(si: int, lo: int, hi: int) -> Piece:
+        return lambda: check(si, mapping.copy_range(plan, buf, lo, hi, to_store=to_store))
+
+    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segs)]
+
+
+def _inline_store_pieces(data: bytes, dst: memoryview, ci: int) -> list[Piece]:
+    def piece(si: int, lo: int, hi: int) -> Piece:
+        def run() -> list[Digest]:
+            dst[lo:hi] = data[lo:hi]
+            return [(ci, si, checksum(dst[lo:hi]))]
+
+        return run
+
+    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(len(data)))]
+
+
+def _inline_load_pieces(
+    store: ChunkStore, chunk: Chunk, src: memoryview, out: bytearray
+) -> list[Piece]:
+    view = memoryview(out)
+
+    def piece(si: int, lo: int, hi: int) -> Piece:
+        def run() -> list[Digest]:
+            view[lo:hi] = src[lo:hi]
+            store.verify(chunk, si, checksum(view[lo:hi]))
+            return []
+
+        return run
+
+    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(chunk.size))]
 
 
 def _ranks_descriptor(request: pb.MapRequest) -> bytes:

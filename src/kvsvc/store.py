@@ -22,6 +22,14 @@ from kvsvc.errors import CapacityExhausted, DataLoss, LayoutMismatch
 
 ALIGN = 4096
 INLINE_LAYOUT = "inline"
+#: Checksums cover 1 MiB segments of a chunk, so the pieces of one chunk can be
+#: copied (and hashed while in cache) by several threads at once.
+SEGMENT_BYTES = 1 << 20
+
+
+def segments(size: int) -> list[tuple[int, int]]:
+    """[lo, hi) byte ranges of a chunk's checksum segments."""
+    return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
 
 
 def checksum(view: memoryview) -> int:
@@ -40,22 +48,29 @@ class Chunk:
     offset: int
     size: int
     layout: str
-    checksum: int = 0
+    digests: list[int] = field(default_factory=list)  # one per segment
     committed: bool = False
     readers: int = 0
     alloc_size: int = field(default=0)
 
 
 class ChunkStore:
-    def __init__(self, capacity_bytes: int, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self, capacity_bytes: int, *, pin_memory: bool = False, prefault: bool = True
+    ) -> None:
         self.capacity = _align(capacity_bytes)
         if pin_memory:
             self.tensor = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
             self._mmap: mmap.mmap | None = None
         else:
-            # Anonymous mapping: allocated once, committed by the kernel as it fills.
+            # Anonymous mapping, allocated once: huge pages where the kernel allows,
+            # touched up front so no copy pays page faults later.
             self._mmap = mmap.mmap(-1, self.capacity)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            if prefault:
+                self.tensor.fill_(0)
         self.view = memoryview(
             (ctypes.c_char * self.capacity).from_address(self.tensor.data_ptr())
         ).cast("B")
@@ -110,14 +125,14 @@ class ChunkStore:
     def chunk_view(self, chunk: Chunk) -> memoryview:
         return self.view[chunk.offset : chunk.offset + chunk.size]
 
-    def verify(self, chunk: Chunk, digest: int) -> None:
+    def verify(self, chunk: Chunk, segment: int, digest: int) -> None:
         """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
-        if digest != chunk.checksum:
-            self.checksum_failures += 1
+        if digest != chunk.digests[segment]:
+            self.checksum_failures += 1  # a lost increment is harmless; the raise is not
             raise DataLoss(
-                f"checksum mismatch on chunk {chunk.key[1].hex()[:32]} "
-                f"(stored {chunk.checksum:016x}, read {digest:016x})",
-                metadata={"key": chunk.key[1].hex(), "namespace": chunk.key[0]},
+                f"checksum mismatch on chunk {chunk.key[1].hex()[:32]} segment {segment} "
+                f"(stored {chunk.digests[segment]:016x}, read {digest:016x})",
+                metadata={"key": chunk.key[1].hex(), "namespace": chunk.key[0], "segment": segment},
             )
 
     # --- writes ---
@@ -152,13 +167,13 @@ class ChunkStore:
         self.evicted_total += evicted
         return chunk, evicted
 
-    def commit(self, chunk: Chunk, digest: int) -> bool:
+    def commit(self, chunk: Chunk, digests: list[int]) -> bool:
         """Publish a written chunk; False (and freed) if an equal key won the race."""
         existing = self._chunks.get(chunk.key)
         if existing is not None and existing.committed:
             self.abort(chunk)
             return False
-        chunk.checksum = digest
+        chunk.digests = digests
         chunk.committed = True
         self._chunks[chunk.key] = chunk
         self._chunks.move_to_end(chunk.key)

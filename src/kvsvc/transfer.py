@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from kvsvc.errors import (
     FINISHED,
     NOT_STARTED,
     UNKNOWN,
+    Cancelled,
     DeadlineExceeded,
     FatalServerError,
     InvalidRequest,
@@ -70,6 +71,9 @@ def reply_budget(deadline: float) -> float:
     return max(0.0, remaining - min(0.05, 0.1 * remaining))
 
 
+_Item = tuple[concurrent.futures.Future[Any], Callable[[], Any], str]
+
+
 class WorkerDied(BaseException):
     """Set on a copy's future when its worker thread died under it."""
 
@@ -79,9 +83,9 @@ class _Workers:
     exception that is not an Exception escapes the copy); ``on_death`` is told."""
 
     def __init__(self, n: int, on_death: Callable[[str, BaseException], None]) -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
-        ] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        #: thread name -> (transfer id, monotonic start) of the piece it is running
+        self.running: dict[str, tuple[str, float]] = {}
         self._on_death = on_death
         self.threads = [
             threading.Thread(target=self._run, name=f"kvsvc-copy-{i}", daemon=True)
@@ -90,24 +94,27 @@ class _Workers:
         for t in self.threads:
             t.start()
 
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[[], T], transfer_id: str) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._queue.put((fut, fn))
+        self._queue.put((fut, fn, transfer_id))
         return fut
 
     def _run(self) -> None:
+        me = threading.current_thread().name
         while (item := self._queue.get()) is not None:
-            fut, fn = item
+            fut, fn, tid = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            self.running[me] = (tid, time.monotonic())
             try:
                 fut.set_result(fn())
             except Exception as exc:  # noqa: BLE001 - delivered to the caller via the future
                 fut.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001 - a dying thread reports, then dies
                 fut.set_exception(WorkerDied(f"{threading.current_thread().name}: {exc!r}"))
-                self._on_death(threading.current_thread().name, exc)
-                return  # the thread dies, as a real crash would
+                self._on_death(me, exc)
+                return  # the thread dies, as a real crash would (still listed as running)
+            self.running.pop(me, None)
 
     def alive(self) -> int:
         return sum(t.is_alive() for t in self.threads)
@@ -165,89 +172,143 @@ class TransferEngine:
         mapping_id: str,
         nbytes: int,
         deadline: float | None,
-        fn: Callable[[], T],
-        finalize: Callable[[concurrent.futures.Future[T]], None],
-    ) -> T:
-        """Run ``fn`` on a worker; its exceptions carry the right transfer_state.
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> list[T]:
+        """Run ``tasks`` (the pieces of one copy) in parallel on the workers.
 
-        ``finalize`` runs exactly once on the event loop when the copy has ended
-        (or was refused), even if the caller's call was cancelled meanwhile: it is
-        where the store commits or frees what the copy used.
+        The deadline is checked when the first piece starts (queue time counts);
+        once one has started, all run. Errors carry the right transfer_state.
+        ``finalize(results, error)`` runs exactly once on the event loop when every
+        piece has ended (or the copy was refused), even if the caller's call was
+        cancelled meanwhile: it is where the store commits or frees its memory.
         """
         try:
             self._admit(transfer_id, deadline, nbytes)
         except BaseException as exc:
-            refused: concurrent.futures.Future[T] = concurrent.futures.Future()
-            refused.set_exception(exc)
-            finalize(refused)
+            finalize(None, exc)
             raise
         loop = asyncio.get_running_loop()
         transfer = Transfer(
             transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
         )
         self.inflight[transfer_id] = transfer
+        lock = threading.Lock()
+        refused: list[KVServiceError] = []
+        pending = [len(tasks)]
 
-        def work() -> T:
-            # Queue time counts: re-check the deadline when a worker picks it up.
-            self.check_deadline(deadline, nbytes)
-            transfer.started_at = time.monotonic()
-            transfer.thread = threading.current_thread().name
-            try:
-                failpoints.hit("transfer.before_copy")
-                result = fn()
-            except KVServiceError as exc:
-                if exc.transfer_state != NOT_STARTED:
-                    exc.transfer_state = FINISHED
-                raise
-            except Exception as exc:
-                # The worker itself failed mid-copy: the copy has stopped, but the
-                # data path is broken, so this instance must stop serving.
-                raise FatalServerError(
-                    f"transfer worker failed: {type(exc).__name__}: {exc}",
-                    reason="TRANSFER_WORKER_FAILED",
-                    metadata={"transferId": transfer_id, "error": type(exc).__name__},
-                    transfer_state=FINISHED,
-                ) from exc
-            self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
-            failpoints.hit("transfer.after_copy")
-            return result
+        def wrap(index: int, task: Callable[[], T]) -> Callable[[], T]:
+            def work() -> T:
+                with lock:
+                    if refused:
+                        raise refused[0]
+                    first = not transfer.started_at
+                    if first:
+                        try:
+                            self.check_deadline(deadline, nbytes)
+                        except KVServiceError as exc:
+                            refused.append(exc)
+                            raise
+                        transfer.started_at = time.monotonic()
+                        transfer.thread = threading.current_thread().name
+                try:
+                    if first:
+                        failpoints.hit("transfer.before_copy")
+                    result = task()
+                    if index == 0:
+                        failpoints.hit("transfer.after_copy")
+                    return result
+                except KVServiceError as exc:
+                    if exc.transfer_state != NOT_STARTED:
+                        exc.transfer_state = FINISHED
+                    raise
+                except Exception as exc:
+                    # The worker failed mid-copy: the copy has stopped, but the data
+                    # path is broken, so this instance must stop serving.
+                    raise FatalServerError(
+                        f"transfer worker failed: {type(exc).__name__}: {exc}",
+                        reason="TRANSFER_WORKER_FAILED",
+                        metadata={"transferId": transfer_id, "error": type(exc).__name__},
+                        transfer_state=FINISHED,
+                    ) from exc
 
-        def finished(f: concurrent.futures.Future[T]) -> None:
+            return work
+
+        def finished() -> None:
             del self.inflight[transfer_id]
             self._remember(self._completed, transfer_id)
+            results, error = self._collect(futures, transfer)
             try:
-                finalize(f)
+                finalize(results, error)
             finally:
                 transfer.done.set_result(None)
                 if not transfer.reply.done():
                     transfer.reply.set_result(None)
 
-        cf = self._workers.submit(work)
-        cf.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
+        def piece_done(_: concurrent.futures.Future[T]) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                loop.call_soon_threadsafe(finished)
+
+        futures = [self._workers.submit(wrap(i, t), transfer_id) for i, t in enumerate(tasks)]
+        for f in futures:
+            f.add_done_callback(piece_done)
         try:
             await asyncio.shield(transfer.reply)
         except asyncio.CancelledError:
-            # A copy that has not started never will; one that has runs to its end,
-            # stays in `inflight` until then, and is finalized by `finished`.
-            if not cf.cancel():
+            # Pieces that have not started never will; started ones run to their
+            # end, stay in `inflight` until then, and are finalized by `finished`.
+            if not all([f.cancel() for f in futures]):  # a list: cancel every one
                 transfer.abandoned = True
                 log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
             raise
         if transfer.failure is not None:
             raise transfer.failure
-        if cf.cancelled():
-            raise self.failed or ServiceNotServing(
-                "the copy was cancelled before it started", transfer_state=NOT_STARTED
-            )
-        try:
-            return cf.result()
-        except WorkerDied as exc:
-            raise FatalServerError(
-                f"the transfer worker died during the copy: {exc}",
+        results, error = self._collect(futures, transfer)
+        if error is not None:
+            raise error
+        self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
+        assert results is not None
+        return results
+
+    def _collect(
+        self, futures: list[concurrent.futures.Future[T]], transfer: Transfer
+    ) -> tuple[list[T] | None, BaseException | None]:
+        """Results of every piece, or the error that describes the copy best."""
+        errors: list[BaseException] = []
+        cancelled = 0
+        for f in futures:
+            if f.cancelled():
+                cancelled += 1
+            elif (e := f.exception()) is not None:
+                errors.append(e)
+        died = [e for e in errors if isinstance(e, WorkerDied)]
+        if died:
+            err: BaseException = FatalServerError(
+                f"the transfer worker died during the copy: {died[0]}",
                 reason="TRANSFER_WORKER_DIED",
-                metadata={"transferId": transfer_id},
+                metadata={"transferId": transfer.transfer_id},
                 transfer_state=UNKNOWN,
-            ) from exc
+            )
+            err.__cause__ = died[0]
+            return None, err
+        if errors:
+            fatal = [e for e in errors if getattr(e, "fatal", False)]
+            return None, (fatal or errors)[0]
+        if cancelled:
+            state = FINISHED if transfer.started_at else NOT_STARTED
+            return None, (
+                ServiceNotServing(
+                    f"copy cancelled after a fatal failure ({self.failed.reason})",
+                    metadata={"failureReason": self.failed.reason},
+                    transfer_state=state,
+                )
+                if self.failed is not None
+                else Cancelled("copy cancelled before it ran", transfer_state=state)
+            )
+        return [f.result() for f in futures], None
 
     def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
         if self.failed is not None:
@@ -328,12 +389,13 @@ class TransferEngine:
         still = [tid for tid, t in waiting.items() if not t.done.done()]
         return len(waiting) - len(still), barred, still
 
-    def stalled(self, stall_timeout: float) -> list[Transfer]:
+    def stalled(self, stall_timeout: float) -> list[tuple[str, str, float]]:
+        """(thread, transfer id, seconds) of copy pieces running past ``stall_timeout``."""
         now = time.monotonic()
         return [
-            t
-            for t in list(self.inflight.values())
-            if t.started_at and now - t.started_at > stall_timeout
+            (thread, tid, now - t0)
+            for thread, (tid, t0) in list(self._workers.running.items())
+            if now - t0 > stall_timeout
         ]
 
     def workers_alive(self) -> int:
