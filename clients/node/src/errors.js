@@ -159,9 +159,12 @@ function transferStateName(value) {
   return String(value).replace(/^TRANSFER_STATE_/, '');
 }
 
+const BY_NAME = new Map(CLASSES.map((c) => [c.name, c]));
+
 /**
  * The error a client raises for a RemoteError envelope (errors.py's from_remote_error):
- * transfer_state UNKNOWN gives TransferUnprovable, else the class by reason, else by code.
+ * transfer_state UNKNOWN gives TransferUnprovable, else the class named by the envelope's
+ * `type`, else the class of its reason, else of its code, else KVServiceError.
  * @param {object} err the envelope as decoded by proto-loader (or a plain object like it)
  * @param {{method?: string}} [context]
  */
@@ -170,7 +173,9 @@ function fromRemoteError(err, context = {}) {
   const transferState = transferStateName(err.transferState);
   let cls;
   if (transferState === 'UNKNOWN') cls = TransferUnprovable;
-  else cls = BY_REASON.get(err.reason) || BY_CODE.get(code) || KVServiceError;
+  // The server raises these same classes: its class name is the best key,
+  // then the stable reason, then the code (a newer server's new reason).
+  else cls = BY_NAME.get(err.type) || BY_REASON.get(err.reason) || BY_CODE.get(code) || KVServiceError;
   return new cls(err.message ?? '', {
     code,
     codeNumber: codeNumber(err.code ?? 0),
@@ -196,7 +201,7 @@ function fromRemoteError(err, context = {}) {
 function fromGrpcError(err, context = {}) {
   const num = typeof err.code === 'number' ? err.code : Status.UNKNOWN;
   const code = CODE_NAMES[num] ?? 'UNKNOWN';
-  const details = err.details || err.message || code;
+  const details = err.details || code;
   const metadata = { grpcCode: code };
   const base = {
     metadata,

@@ -33,9 +33,9 @@ const LOADER_OPTIONS = {
   defaults: true,
   oneofs: true,
 };
-// RPCs that move bytes: their default deadline is the transfer one, and a lost
-// reply makes their outcome unprovable.
-const TRANSFERS = new Set(['Store', 'Retrieve']);
+// RPCs that move bytes or wait for copies get the transfer deadline by default
+// (as the Python client); every other call gets the control one.
+const LONG_CALLS = new Set(['Store', 'Retrieve', 'Unmap', 'Fence']);
 const METHODS = ['Map', 'Unmap', 'Store', 'Retrieve', 'Lookup', 'Fence', 'GetServerInfo'];
 
 /** Default location of the repository's proto/ directory. */
@@ -98,7 +98,7 @@ class KVClient {
   /**
    * @param {string} address host:port of a kvsvc server (e.g. "127.0.0.1:50051")
    * @param {object} [options]
-   * @param {number} [options.transferDeadline=30] default seconds for Store/Retrieve
+   * @param {number} [options.transferDeadline=30] default seconds for Store/Retrieve/Unmap/Fence
    * @param {number} [options.controlDeadline=5] default seconds for every other call
    * @param {grpc.ChannelCredentials} [options.credentials] default: insecure
    * @param {object} [options.channelOptions] extra grpc-js channel options
@@ -109,10 +109,11 @@ class KVClient {
       throw new TypeError('address must be a non-empty "host:port" string');
     }
     this.address = address;
-    this.transferDeadline = validateDeadline(
-      options.transferDeadline ?? DEFAULT_TRANSFER_DEADLINE_S, 'transferDeadline');
-    this.controlDeadline = validateDeadline(
-      options.controlDeadline ?? DEFAULT_CONTROL_DEADLINE_S, 'controlDeadline');
+    // Only `undefined` means "the default"; null, NaN, 0... are errors.
+    this.transferDeadline = validateDeadline(options.transferDeadline === undefined
+      ? DEFAULT_TRANSFER_DEADLINE_S : options.transferDeadline, 'transferDeadline');
+    this.controlDeadline = validateDeadline(options.controlDeadline === undefined
+      ? DEFAULT_CONTROL_DEADLINE_S : options.controlDeadline, 'controlDeadline');
     const services = loadServices(options.protoDir ?? defaultProtoDir());
     const creds = options.credentials ?? grpc.credentials.createInsecure();
     const channelOptions = { ...CHANNEL_OPTIONS, ...(options.channelOptions ?? {}) };
@@ -129,8 +130,8 @@ class KVClient {
     this._stub.close();
   }
 
-  _deadlineSeconds(opts, transfer) {
-    if (opts.deadline === undefined) return transfer ? this.transferDeadline : this.controlDeadline;
+  _deadlineSeconds(opts, long) {
+    if (opts.deadline === undefined) return long ? this.transferDeadline : this.controlDeadline;
     return validateDeadline(opts.deadline, 'deadline');
   }
 
@@ -138,6 +139,9 @@ class KVClient {
    * Invoke any KVCacheService RPC with a request object in proto-loader form
    * (camelCase fields, Buffers for bytes). The header's request id is filled in
    * when empty; a RemoteError or transport failure rejects with a KVServiceError.
+   * A Store/Retrieve of mapped blocks whose reply is lost after it may have
+   * reached the server rejects with TransferUnprovable: fence its request id
+   * before reusing the blocks.
    * @param {string} method e.g. "Map", "Store", "Fence"
    * @param {object} request
    * @param {{deadline?: number, signal?: AbortSignal}} [opts]
@@ -147,19 +151,23 @@ class KVClient {
     if (!METHODS.includes(method)) {
       throw new TypeError(`unknown method ${describe(method)}; one of ${METHODS.join(', ')}`);
     }
-    const transfer = TRANSFERS.has(method);
-    const seconds = this._deadlineSeconds(opts, transfer);
+    // Only a copy between mapped memory and the store can touch the caller's buffers.
+    const transfer = (method === 'Store' || method === 'Retrieve') && request.blocks != null;
+    const seconds = this._deadlineSeconds(opts, LONG_CALLS.has(method));
     const header = { envelopeVersion: ENVELOPE_VERSION, ...(request.header ?? {}) };
     if (!header.requestId) header.requestId = crypto.randomUUID();
     const req = { ...request, header };
     const deadlineMs = Date.now() + seconds * 1000;
     const context = { method, requestId: header.requestId, transfer };
-    if (opts.signal?.aborted) {
-      throw new Cancelled(`${method} cancelled before it was sent`, {
-        ...context, reason: 'CANCELLED', transferState: transfer ? 'NOT_STARTED' : 'UNSPECIFIED',
-      });
+    const notSent = () => new Cancelled(`${method} cancelled before it was sent`, {
+      ...context, reason: 'TRANSPORT_CANCELLED', metadata: { grpcCode: 'CANCELLED' },
+      transferState: transfer ? 'NOT_STARTED' : 'UNSPECIFIED',
+    });
+    if (opts.signal?.aborted) throw notSent();
+    if (transfer) {
+      await this._connected(deadlineMs, context);
+      if (opts.signal?.aborted) throw notSent();
     }
-    if (transfer) await this._connected(deadlineMs, context);
     const response = await new Promise((resolve, reject) => {
       let onAbort;
       const call = this._stub[method](req, { deadline: deadlineMs }, (err, resp) => {
@@ -220,7 +228,8 @@ class KVClient {
   }
 
   /**
-   * Store chunks given as bytes under keys in a namespace.
+   * Store chunks given as bytes under keys in a namespace (transfer deadline).
+   * Keys already present are skipped (counted in presentChunks).
    * @param {string} namespace
    * @param {Array<{key: Buffer|Uint8Array|string, data: Buffer|Uint8Array|string}>} chunks
    * @param {{deadline?: number, signal?: AbortSignal, requestId?: string}} [opts]
@@ -240,7 +249,8 @@ class KVClient {
   }
 
   /**
-   * Retrieve the leading present chunks of `keys`; loading stops at the first miss.
+   * Retrieve the leading present chunks of `keys`; loading stops at the first miss
+   * (transfer deadline).
    * @param {string} namespace
    * @param {Array<Buffer|Uint8Array|string>} keys
    * @param {{deadline?: number, signal?: AbortSignal, requestId?: string}} [opts]

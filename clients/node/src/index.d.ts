@@ -1,0 +1,143 @@
+// Types of the kvsvc Node.js client (src/index.js, src/errors.js).
+import type { ChannelCredentials, ServiceError } from '@grpc/grpc-js';
+
+export type Bytes = Buffer | Uint8Array | string;
+export type TransferState = 'UNSPECIFIED' | 'NOT_STARTED' | 'FINISHED' | 'UNKNOWN' | string;
+export type ServingStatus = 'SERVING' | 'NOT_SERVING' | 'UNKNOWN' | 'SERVICE_UNKNOWN';
+
+export interface ClientOptions {
+  /** Default seconds for Store/Retrieve/Unmap/Fence (30). */
+  transferDeadline?: number;
+  /** Default seconds for every other call (5). */
+  controlDeadline?: number;
+  credentials?: ChannelCredentials;
+  channelOptions?: Record<string, unknown>;
+  /** Directory holding kvsvc/v1/*.proto (default: the repository's proto/, or $KVSVC_PROTO_DIR). */
+  protoDir?: string;
+}
+
+export interface CallOptions {
+  /** Seconds; a finite number > 0. */
+  deadline?: number;
+  signal?: AbortSignal;
+}
+
+export interface TransferOptions extends CallOptions {
+  /** Request id; the transfer id that Fence takes. Random by default. */
+  requestId?: string;
+}
+
+export interface StoreResult {
+  storedChunks: number;
+  presentChunks: number;
+  evictedChunks: number;
+  storedBytes: number;
+  transferId: string;
+  serverStartId: string;
+}
+
+export interface RetrieveResult {
+  loadedChunks: number;
+  chunks: Array<{ key: Buffer; data: Buffer }>;
+  loadedBytes: number;
+  transferId: string;
+  serverStartId: string;
+}
+
+export interface LookupResult {
+  hitChunks: number;
+  serverStartId: string;
+}
+
+export interface FenceResult {
+  waitedTransfers: number;
+  barredTransfers: number;
+  serverStartId: string;
+}
+
+export interface ServerInfo {
+  version: string;
+  envelopeVersion: number;
+  serverStartId: string;
+  capacityBytes: number;
+  usedBytes: number;
+  storedChunks: number;
+  evictedChunks: number;
+  mappings: number;
+  inflightTransfers: number;
+  serving: boolean;
+  failureReason: string;
+  failureTime: Date | null;
+  startTime: Date | null;
+  device: string;
+}
+
+export class KVClient {
+  constructor(address: string, options?: ClientOptions);
+  readonly address: string;
+  readonly transferDeadline: number;
+  readonly controlDeadline: number;
+  close(): void;
+  store(namespace: string, chunks: Array<{ key: Bytes; data: Bytes }>, opts?: TransferOptions): Promise<StoreResult>;
+  retrieve(namespace: string, keys: Bytes[], opts?: TransferOptions): Promise<RetrieveResult>;
+  lookup(scope: string | { namespace: string } | { mappingId: string }, keys: Bytes[], opts?: CallOptions): Promise<LookupResult>;
+  fence(what: { mappingId?: string; transferIds?: string[] }, opts?: CallOptions): Promise<FenceResult>;
+  serverInfo(opts?: CallOptions): Promise<ServerInfo>;
+  healthCheck(service?: string, opts?: CallOptions): Promise<ServingStatus>;
+  /** Any KVCacheService RPC, request in proto-loader form (camelCase, Buffers). */
+  call(method: 'Map' | 'Unmap' | 'Store' | 'Retrieve' | 'Lookup' | 'Fence' | 'GetServerInfo',
+    request?: Record<string, unknown>, opts?: CallOptions): Promise<any>;
+}
+
+export function validateDeadline(value: unknown, setting: string): number;
+export const DEFAULT_TRANSFER_DEADLINE_S: number;
+export const DEFAULT_CONTROL_DEADLINE_S: number;
+export const HEALTH_SERVICE_NAME: string;
+export const ENVELOPE_VERSION: number;
+
+export class KVServiceError extends Error {
+  /** gRPC code name, e.g. "NOT_FOUND" ("UNKNOWN" for a number this client does not know). */
+  code: string;
+  /** The numeric code as received. */
+  codeNumber: number;
+  reason: string;
+  metadata: Record<string, string>;
+  requestId: string;
+  retryable: boolean;
+  transferState: TransferState;
+  /** Class name of the exception raised on the server. */
+  type: string;
+  messageTruncated: boolean;
+  /** True for an in-band RemoteError, false for a transport failure. */
+  remote: boolean;
+  method: string;
+  envelopeVersion: number;
+  /** False while a copy may still be writing the caller's buffers (transferState UNKNOWN). */
+  readonly buffersReusable: boolean;
+  static code: string;
+  static reason: string;
+  toJSON(): Record<string, unknown>;
+}
+export class InvalidRequest extends KVServiceError {}
+export class UnsupportedRequest extends InvalidRequest {}
+export class LayoutMismatch extends KVServiceError {}
+export class NotFound extends KVServiceError {}
+export class Miss extends NotFound {}
+export class MappingLost extends NotFound {}
+export class CapacityExhausted extends KVServiceError {}
+export class Unimplemented extends KVServiceError {}
+export class DeadlineExceeded extends KVServiceError {}
+export class Cancelled extends KVServiceError {}
+export class ServiceUnavailable extends KVServiceError {}
+export class ServiceNotServing extends KVServiceError {}
+export class TransferUnprovable extends KVServiceError {}
+export class RegionUnavailable extends KVServiceError {}
+export class RemoteHandlerError extends KVServiceError {}
+export class DataLoss extends RemoteHandlerError {}
+export class FatalServerError extends RemoteHandlerError {}
+export const CLASSES: Array<typeof KVServiceError>;
+
+export function fromRemoteError(err: Record<string, unknown>, context?: { method?: string }): KVServiceError;
+export function fromGrpcError(err: Partial<ServiceError>, context?: {
+  requestId?: string; method?: string; transfer?: boolean; transferStarted?: boolean;
+}): KVServiceError;
