@@ -73,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         config = config_from_args(args)
         setup_logging(config.log_level, config.log_format)
-        from kvsvc.server import serve as run_server
+        try:
+            from kvsvc.server import serve as run_server
+        except ValueError as exc:  # a bad KVSVC_FAILPOINTS table, read at import
+            print(f"kvsvc serve: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
+            return 2
 
         return asyncio.run(run_server(config))
     if args.command == "demo":

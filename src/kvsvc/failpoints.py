@@ -12,6 +12,7 @@ that limits it to one rank or RPC, ``map.rank=2@raise``, ``handler.enter=Lookup@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -19,7 +20,10 @@ import threading
 import time
 
 POINTS: dict[str, str] = {
-    "handler.enter": "start of every RPC handler, before dispatch (tag: the RPC name)",
+    "handler.enter": "start of every RPC handler, before dispatch; sleep and hang delay only "
+    "that request (tag: the RPC name)",
+    "loop.stall": "start of every RPC handler; sleep and hang block the whole event loop "
+    "(tag: the RPC name)",
     "transfer.before_copy": "transfer worker, after the deadline check, before any byte moves",
     "transfer.copy": "transfer worker, in the middle of a copy (after the first chunk)",
     "transfer.after_copy": "transfer worker, after the copy, before the reply",
@@ -67,21 +71,41 @@ def active() -> dict[str, tuple[float, str, int, str]]:
     return dict(_TABLE)
 
 
-def hit(name: str, tag: object = None) -> None:
-    """Run the action configured for ``name``; a no-op (one dict lookup) when inert."""
+def _entry(name: str, tag: object) -> tuple[str, int] | None:
     entry = _TABLE.get(name)
     if entry is None:
-        return
+        return None
     prob, kind, ms, only_tag = entry
     if only_tag and str(tag) != only_tag:
-        return
+        return None
     if prob < 1.0 and random.random() >= prob:
-        return
+        return None
     if kind == "raise":
         raise FailpointError(f"failpoint {name} fired")
+    if kind == "kill-thread":
+        raise FailpointThreadKill(f"failpoint {name} killed its thread")
+    return kind, ms
+
+
+async def hit_async(name: str, tag: object = None) -> None:
+    """Like :func:`hit`, for the event loop: sleep and hang delay only the caller."""
+    action = _entry(name, tag)
+    if action is None:
+        return
+    kind, ms = action
+    if kind == "sleep":
+        await asyncio.sleep(ms / 1000)
+    elif kind == "hang":
+        await asyncio.Event().wait()
+
+
+def hit(name: str, tag: object = None) -> None:
+    """Run the action configured for ``name``; a no-op (one dict lookup) when inert."""
+    action = _entry(name, tag)
+    if action is None:
+        return
+    kind, ms = action
     if kind == "sleep":
         time.sleep(ms / 1000)
     elif kind == "hang":
         threading.Event().wait()
-    elif kind == "kill-thread":
-        raise FailpointThreadKill(f"failpoint {name} killed its thread")

@@ -70,10 +70,11 @@ class TensorLayout:
     strides: tuple[int, ...]
     dtype: torch.dtype
     block_dim: int
+    elsize: int = 0
 
-    @property
-    def elsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    def __post_init__(self) -> None:
+        if not self.elsize:
+            object.__setattr__(self, "elsize", self.dtype.itemsize)
 
     @property
     def num_blocks(self) -> int:

@@ -58,6 +58,7 @@ from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 log = logging.getLogger("kvsvc.server")
 R = TypeVar("R")
 MAP_RETRY_S = 0.02
+PARALLEL_MIN_BYTES = 4 << 20
 
 
 @dataclass
@@ -90,7 +91,8 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             started = time.perf_counter()
             outcome = "result"
             try:
-                failpoints.hit("handler.enter", name)
+                failpoints.hit("loop.stall", name)
+                await failpoints.hit_async("handler.enter", name)
                 if header.envelope_version not in (0, ENVELOPE_VERSION):
                     raise UnsupportedRequest(
                         f"envelope version {header.envelope_version} is not spoken here "
@@ -384,7 +386,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
     ) -> list[list[Digest]]:
         """Run the pieces of one copy as a few tasks spread over the workers."""
-        n_tasks = max(1, min(len(pieces), 2 * self.config.transfer_threads))
+        # Small copies run as one task: a hand-off between threads costs more than
+        # the parallel copy saves below a few MiB.
+        threads = self.config.transfer_threads if nbytes > PARALLEL_MIN_BYTES else 1
+        n_tasks = max(1, min(len(pieces), threads))
         per = -(-len(pieces) // n_tasks)
         groups = [pieces[i : i + per] for i in range(0, len(pieces), per)]
 
