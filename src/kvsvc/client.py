@@ -28,10 +28,14 @@ from kvsvc.config import (
 )
 from kvsvc.errors import (
     FINISHED,
+    NO_TRANSFER,
     NOT_STARTED,
+    UNKNOWN,
+    Cancelled,
     KVServiceError,
     MappingLost,
     Miss,
+    ServiceUnavailable,
     TransferUnprovable,
     from_grpc_error,
     from_remote_error,
@@ -69,43 +73,54 @@ class MappingHandle:
     block_bytes: int
     layout_fingerprint: str
     ranks: list[pb.RankRegion] = field(repr=False, default_factory=list)
+    #: Stable across re-maps: the leases of this handle live under it.
+    lease_key: str = field(repr=False, default_factory=lambda: uuid.uuid4().hex)
+
+    def replace_with(self, fresh: MappingHandle) -> None:
+        """Adopt a re-map's identity; leases stay where they are."""
+        key = self.lease_key
+        self.__dict__.update(fresh.__dict__)
+        self.lease_key = key
 
 
 class Leases:
-    """Which blocks of each mapping an unfinished or unprovable transfer may touch."""
+    """Which blocks of each mapping handle an unfinished or unprovable transfer may
+    touch, and on which server start it ran (only that server can prove it ended)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_mapping: dict[str, dict[str, frozenset[int]]] = {}
-        self._unprovable: dict[str, set[str]] = {}
+        # lease key -> transfer id -> (blocks, server start id)
+        self._by_key: dict[str, dict[str, tuple[frozenset[int], str]]] = {}
 
-    def acquire(self, mapping_id: str, transfer_id: str, blocks: Iterable[int]) -> None:
+    def acquire(self, key: str, transfer_id: str, blocks: Iterable[int], start_id: str) -> None:
         with self._lock:
-            self._by_mapping.setdefault(mapping_id, {})[transfer_id] = frozenset(blocks)
+            self._by_key.setdefault(key, {})[transfer_id] = (frozenset(blocks), start_id)
 
-    def release(self, mapping_id: str, transfer_id: str) -> None:
+    def release(self, key: str, transfer_id: str) -> None:
         with self._lock:
-            self._by_mapping.get(mapping_id, {}).pop(transfer_id, None)
-            self._unprovable.get(mapping_id, set()).discard(transfer_id)
+            self._by_key.get(key, {}).pop(transfer_id, None)
 
-    def mark_unprovable(self, mapping_id: str, transfer_id: str) -> None:
+    def release_all(self, key: str, start_id: str) -> None:
         with self._lock:
-            self._unprovable.setdefault(mapping_id, set()).add(transfer_id)
+            leases = self._by_key.get(key, {})
+            for tid in [t for t, (_, s) in leases.items() if s == start_id]:
+                del leases[tid]
 
-    def unprovable(self, mapping_id: str) -> list[str]:
-        with self._lock:
-            return sorted(self._unprovable.get(mapping_id, set()))
-
-    def blocks(self, mapping_id: str) -> set[int]:
+    def blocks(self, key: str) -> set[int]:
         with self._lock:
             out: set[int] = set()
-            for blocks in self._by_mapping.get(mapping_id, {}).values():
+            for blocks, _ in self._by_key.get(key, {}).values():
                 out |= blocks
             return out
 
-    def transfers(self, mapping_id: str) -> list[str]:
+    def transfers(self, key: str, start_id: str | None = None) -> list[str]:
+        """Leased transfer ids; with ``start_id``, those of that server start only."""
         with self._lock:
-            return sorted(self._by_mapping.get(mapping_id, {}))
+            return sorted(
+                t
+                for t, (_, s) in self._by_key.get(key, {}).items()
+                if start_id is None or s == start_id
+            )
 
 
 def _header() -> pb.RequestHeader:
@@ -156,7 +171,11 @@ class _Base:
 
     def leased_blocks(self, mapping: MappingHandle) -> set[int]:
         """Blocks the engine's allocator must not reuse yet."""
-        return self.leases.blocks(mapping.mapping_id)
+        return self.leases.blocks(mapping.lease_key)
+
+    def unproven_transfers(self, mapping: MappingHandle) -> list[str]:
+        """Transfer ids of ``mapping`` whose end no reply or fence has proven yet."""
+        return self.leases.transfers(mapping.lease_key)
 
     def _timeout(self, value: Timeout, transfer: bool, name: str) -> float:
         if value is DEFAULT:
@@ -188,17 +207,37 @@ class _Base:
     ) -> _Plan:
         ids = list(transfer_ids)
         if mapping is not None:
-            ids = sorted(set(ids) | set(self.leases.transfers(mapping.mapping_id)))
+            every = self.leases.transfers(mapping.lease_key)
+            mine = self.leases.transfers(mapping.lease_key, mapping.server_start_id)
+            if len(every) > len(mine):
+                # Copies that ran on another server start: this server cannot prove
+                # they ended, so their blocks stay leased.
+                raise MappingLost(
+                    f"{len(every) - len(mine)} leased transfers ran on an earlier server "
+                    f"start; server start {mapping.server_start_id} cannot prove they ended",
+                    metadata={
+                        "mappingId": mapping.mapping_id,
+                        "transfers": ",".join(sorted(set(every) - set(mine))),
+                    },
+                )
+            ids = sorted(set(ids) | set(mine))
         req = pb.FenceRequest(
             header=_header(), mapping_id=mapping.mapping_id if mapping else "", transfer_ids=ids
         )
         return _Plan("Fence", req, self._timeout(timeout, True, "timeout"), mapping)
 
+    def _plan_unmap(self, mapping: MappingHandle, timeout: Timeout) -> _Plan:
+        req = pb.UnmapRequest(header=_header(), mapping_id=mapping.mapping_id)
+        return _Plan("Unmap", req, self._timeout(timeout, True, "timeout"), mapping)
+
     # --- outcomes ---
     def _before(self, plan: _Plan) -> None:
         if plan.mapping is not None and plan.transfer:
             self.leases.acquire(
-                plan.mapping.mapping_id, plan.request.header.request_id, plan.blocks
+                plan.mapping.lease_key,
+                plan.request.header.request_id,
+                plan.blocks,
+                plan.mapping.server_start_id,
             )
 
     def _after(self, plan: _Plan, response: Any) -> Any:
@@ -208,11 +247,14 @@ class _Base:
             self._settle(plan, exc)
             raise
         if plan.mapping is not None:
+            key = plan.mapping.lease_key
             if plan.transfer:
-                self.leases.release(plan.mapping.mapping_id, plan.request.header.request_id)
+                self.leases.release(key, plan.request.header.request_id)
             elif plan.method == "Fence":
                 for tid in plan.request.transfer_ids:
-                    self.leases.release(plan.mapping.mapping_id, tid)
+                    self.leases.release(key, tid)
+            elif plan.method == "Unmap":  # the server fenced every copy of the mapping
+                self.leases.release_all(key, plan.mapping.server_start_id)
             start = getattr(result, "server_start_id", "")
             if start and start != plan.mapping.server_start_id:
                 raise MappingLost(
@@ -237,11 +279,21 @@ class _Base:
         """Release a failed transfer's blocks only when the server proved it is done."""
         if plan.mapping is None or not plan.transfer:
             return
-        tid = plan.request.header.request_id
         if exc.transfer_state in (NOT_STARTED, FINISHED):
-            self.leases.release(plan.mapping.mapping_id, tid)
-        else:
-            self.leases.mark_unprovable(plan.mapping.mapping_id, tid)
+            self.leases.release(plan.mapping.lease_key, plan.request.header.request_id)
+        # otherwise the lease stays until a fence proves the copy ended
+
+    def _local_error(self, plan: _Plan, exc: Exception) -> KVServiceError:
+        """The call failed inside this client (closed channel): nothing was sent."""
+        err = ServiceUnavailable(
+            f"the request was not sent: {exc}",
+            reason="CLIENT_CLOSED",
+            retryable=False,
+            request_id=plan.request.header.request_id,
+            transfer_state=NOT_STARTED if plan.transfer else NO_TRANSFER,
+        )
+        self._settle(plan, err)
+        return err
 
     def _handle_for(self, ranks: Sequence[pb.RankRegion], namespace: str, r: Any) -> MappingHandle:
         return MappingHandle(
@@ -291,6 +343,8 @@ class KVCacheClient(_Base):
             response = getattr(self._stub, plan.method)(plan.request, timeout=plan.timeout)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
+        except ValueError as exc:  # "Cannot invoke RPC on closed channel!"
+            raise self._local_error(plan, exc) from exc
         return self._after(plan, response)
 
     def _retrying(self, mapping: MappingHandle, make: Callable[[], _Plan]) -> Any:
@@ -299,12 +353,8 @@ class KVCacheClient(_Base):
         except MappingLost:
             if not self.remap_on_restart or not mapping.ranks:
                 raise
-            self._remap(mapping)
+            mapping.replace_with(self.map(mapping.namespace, mapping.ranks))
             return self._call(make())
-
-    def _remap(self, mapping: MappingHandle) -> None:
-        fresh = self.map(mapping.namespace, mapping.ranks)
-        mapping.__dict__.update(fresh.__dict__)
 
     def _future(self, plan: _Plan) -> concurrent.futures.Future[Any]:
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -313,6 +363,9 @@ class KVCacheClient(_Base):
             call = getattr(self._stub, plan.method).future(plan.request, timeout=plan.timeout)
         except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
             out.set_exception(self._transport_error(plan, exc))
+            return out
+        except ValueError as exc:  # closed channel
+            out.set_exception(self._local_error(plan, exc))
             return out
 
         def done(f: grpc.Future) -> None:
@@ -336,8 +389,7 @@ class KVCacheClient(_Base):
         return self._handle_for(ranks, namespace, r)
 
     def unmap(self, mapping: MappingHandle, *, timeout: Timeout = DEFAULT) -> pb.UnmapResult:
-        req = pb.UnmapRequest(header=_header(), mapping_id=mapping.mapping_id)
-        return self._call(_Plan("Unmap", req, self._timeout(timeout, True, "timeout")))
+        return self._call(self._plan_unmap(mapping, timeout))
 
     def store(
         self,
@@ -422,13 +474,8 @@ class KVCacheClient(_Base):
 
     def get(self, namespace: str, key: bytes, *, timeout: Timeout = DEFAULT) -> bytes:
         """One chunk, inline; a miss is an error here."""
-        found = self.get_many(namespace, [key], timeout=timeout)
-        if not found:
-            raise Miss(
-                f"chunk {key.hex()[:32]} is not stored in namespace {namespace!r}",
-                metadata={"key": key.hex(), "namespace": namespace},
-            )
-        return found[0]
+        plan = _inline_retrieve(namespace, [key], self._timeout(timeout, True, "timeout"))
+        return _one_or_miss(self._call(plan), plan, namespace, key)
 
 
 class AsyncKVCacheClient(_Base):
@@ -455,10 +502,18 @@ class AsyncKVCacheClient(_Base):
             response = await getattr(self._stub, plan.method)(plan.request, timeout=plan.timeout)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
-        except asyncio.CancelledError:
-            # The caller cancelled: the server may still copy; keep the lease.
-            if plan.transfer and plan.mapping is not None:
-                self.leases.mark_unprovable(plan.mapping.mapping_id, plan.request.header.request_id)
+        except grpc.aio.UsageError as exc:  # closed channel
+            raise self._local_error(plan, exc) from exc
+        except asyncio.CancelledError as exc:
+            # The server may still copy: the lease stays until a fence.
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", lambda: 1)()
+            if cancelling == 0:  # nobody cancelled this task: the channel was closed
+                raise Cancelled(
+                    "the call was cancelled by closing the client",
+                    request_id=plan.request.header.request_id,
+                    transfer_state=UNKNOWN if plan.transfer else NO_TRANSFER,
+                ) from exc
             raise
         return self._after(plan, response)
 
@@ -468,8 +523,7 @@ class AsyncKVCacheClient(_Base):
         except MappingLost:
             if not self.remap_on_restart or not mapping.ranks:
                 raise
-            fresh = await self.map(mapping.namespace, mapping.ranks)
-            mapping.__dict__.update(fresh.__dict__)
+            mapping.replace_with(await self.map(mapping.namespace, mapping.ranks))
             return await self._call(make())
 
     async def map(
@@ -479,8 +533,7 @@ class AsyncKVCacheClient(_Base):
         return self._handle_for(ranks, namespace, r)
 
     async def unmap(self, mapping: MappingHandle, *, timeout: Timeout = DEFAULT) -> pb.UnmapResult:
-        req = pb.UnmapRequest(header=_header(), mapping_id=mapping.mapping_id)
-        return await self._call(_Plan("Unmap", req, self._timeout(timeout, True, "timeout")))
+        return await self._call(self._plan_unmap(mapping, timeout))
 
     async def store(
         self,
@@ -565,13 +618,19 @@ class AsyncKVCacheClient(_Base):
         return [c.data for c in (await self._call(plan)).chunks]
 
     async def get(self, namespace: str, key: bytes, *, timeout: Timeout = DEFAULT) -> bytes:
-        found = await self.get_many(namespace, [key], timeout=timeout)
-        if not found:
-            raise Miss(
-                f"chunk {key.hex()[:32]} is not stored in namespace {namespace!r}",
-                metadata={"key": key.hex(), "namespace": namespace},
-            )
-        return found[0]
+        """One chunk, inline; a miss is an error here."""
+        plan = _inline_retrieve(namespace, [key], self._timeout(timeout, True, "timeout"))
+        return _one_or_miss(await self._call(plan), plan, namespace, key)
+
+
+def _one_or_miss(result: pb.RetrieveResult, plan: _Plan, namespace: str, key: bytes) -> bytes:
+    if not result.chunks:
+        raise Miss(
+            f"chunk {key.hex()[:32]} is not stored in namespace {namespace!r}",
+            metadata={"key": key.hex(), "namespace": namespace},
+            request_id=plan.request.header.request_id,
+        )
+    return bytes(result.chunks[0].data)
 
 
 def _lookup_request(

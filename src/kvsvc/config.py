@@ -51,6 +51,8 @@ def server_options() -> list[tuple[str, int]]:
 # --- client deadlines ---
 DEFAULT_TRANSFER_DEADLINE_S = 30.0
 DEFAULT_CONTROL_DEADLINE_S = 5.0
+# gRPC's deadline arithmetic overflows near 8e9 s; nothing needs more than days.
+MAX_DEADLINE_S = 1e6
 
 
 def validate_deadline(value: object, setting: str) -> float:
@@ -60,6 +62,8 @@ def validate_deadline(value: object, setting: str) -> float:
     seconds = float(value)
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{setting} must be finite and > 0 seconds, got {value!r}")
+    if seconds > MAX_DEADLINE_S:
+        raise ValueError(f"{setting} must be at most {MAX_DEADLINE_S:g} seconds, got {value!r}")
     return seconds
 
 

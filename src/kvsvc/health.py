@@ -65,6 +65,7 @@ class Health:
 
     async def shutdown(self) -> None:
         self.shutting_down = True
+        await asyncio.gather(*self._notify, return_exceptions=True)
         await self.servicer.enter_graceful_shutdown()
 
     def check_serving(self) -> None:

@@ -244,8 +244,17 @@ class ShmRegion:
             os.close(fd)
             raise
         self.name = name
+        self.path = path
         self.fd = fd
         self.size = need_bytes
+        self.inode = (st.st_dev, st.st_ino)
+
+    def is_current(self) -> bool:
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.inode
 
     def read(self, offset: int, dst: memoryview) -> None:
         done = 0
@@ -426,6 +435,15 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
+
+    def is_current(self) -> bool:
+        """Every shm region's name still names the file we hold open (a restarted
+        client may have made a new file under the same name)."""
+        for rank in self.ranks:
+            for region in rank.regions.values():
+                if isinstance(region, ShmRegion) and not region.is_current():
+                    return False
+        return True
 
     @property
     def is_cuda(self) -> bool:

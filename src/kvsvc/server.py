@@ -205,10 +205,19 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if not request.ranks:
             raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
         descriptor = _ranks_descriptor(request)
-        # Idempotent re-map: the same namespace and ranks give the same mapping.
-        for existing in self.mappings.values():
-            if existing.descriptor == descriptor and not existing.closing:
+        for existing in list(self.mappings.values()):
+            if existing.closing:
+                continue
+            current = await asyncio.to_thread(existing.is_current)
+            # Idempotent re-map: the same ranks over the same memory, same mapping.
+            if current and existing.descriptor == descriptor:
                 return self._map_result(existing)
+            # A mapping whose files were deleted or replaced (its client restarted)
+            # is stale: release it once no copy uses it.
+            if not current and not any(
+                t.mapping_id == existing.mapping_id for t in self.engine.inflight.values()
+            ):
+                await self._release(existing, call, "released: its memory files are gone")
         ranks: list[RankMapping] = []
         try:
             for index, rank in enumerate(request.ranks):
@@ -290,13 +299,18 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.UnmapResponse)
     async def Unmap(self, request: pb.UnmapRequest, call: Call) -> pb.UnmapResult:
-        mapping = self._mapping(request.mapping_id)
+        waited = await self._release(self._mapping(request.mapping_id), call, "unmapped")
+        return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
+
+    async def _release(self, mapping: Mapping, call: Call, why: str) -> int:
+        """Refuse new copies, fence running ones, synchronize, release. If copies are
+        still running at the deadline the mapping stays: no copy loses its memory."""
         mapping.closing = True
         waited, _, still = await self.engine.fence(mapping.mapping_id, (), call.deadline)
         if still:
             mapping.closing = False
             raise DeadlineExceeded(
-                f"unmap of {mapping.mapping_id}: {len(still)} copies still running at the "
+                f"mapping {mapping.mapping_id}: {len(still)} copies still running at the "
                 "deadline; the mapping stays so that no copy loses its memory",
                 reason="UNMAP_FENCE_TIMEOUT",
                 metadata={"mappingId": mapping.mapping_id, "running": ",".join(still)},
@@ -304,7 +318,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             )
         del self.mappings[mapping.mapping_id]
         await asyncio.to_thread(mapping.close)  # synchronizes the device first
-        return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
+        log.info("mapping %s %s (%d copies fenced)", mapping.mapping_id, why, waited)
+        return waited
 
     @rpc(pb.StoreResponse, transfer=True)
     async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
