@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: ``[(key, block_ids), ...]``: the chunks of a block transfer.
+BlockChunkList = Sequence[tuple[bytes, Sequence[int]]]
 
 
 class _Default(enum.Enum):
@@ -138,7 +140,7 @@ def _unwrap(response: Any) -> Any:
     return response.result
 
 
-def _chunks(chunks: Sequence[tuple[bytes, Sequence[int]]]) -> list[pb.BlockChunk]:
+def _chunks(chunks: BlockChunkList) -> list[pb.BlockChunk]:
     return [pb.BlockChunk(key=key, block_ids=list(ids)) for key, ids in chunks]
 
 
@@ -191,7 +193,7 @@ class _Base:
         self,
         method: str,
         mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
+        chunks: BlockChunkList,
         timeout: Timeout,
     ) -> _Plan:
         blocks = _blocks_of(chunks)
@@ -307,7 +309,7 @@ class _Base:
         )
 
 
-def _blocks_of(chunks: Sequence[tuple[bytes, Sequence[int]]]) -> frozenset[int]:
+def _blocks_of(chunks: BlockChunkList) -> frozenset[int]:
     return frozenset(b for _, ids in chunks for b in ids)
 
 
@@ -392,42 +394,26 @@ class KVCacheClient(_Base):
         return self._call(self._plan_unmap(mapping, timeout))
 
     def store(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> pb.StoreResult:
         return self._retrying(
             mapping, lambda: self._plan_transfer("Store", mapping, chunks, timeout)
         )
 
     def retrieve(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> pb.RetrieveResult:
         return self._retrying(
             mapping, lambda: self._plan_transfer("Retrieve", mapping, chunks, timeout)
         )
 
     def store_async(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> concurrent.futures.Future[pb.StoreResult]:
         return self._future(self._plan_transfer("Store", mapping, chunks, timeout))
 
     def retrieve_async(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> concurrent.futures.Future[pb.RetrieveResult]:
         return self._future(self._plan_transfer("Retrieve", mapping, chunks, timeout))
 
@@ -536,44 +522,28 @@ class AsyncKVCacheClient(_Base):
         return await self._call(self._plan_unmap(mapping, timeout))
 
     async def store(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> pb.StoreResult:
         return await self._retrying(
             mapping, lambda: self._plan_transfer("Store", mapping, chunks, timeout)
         )
 
     async def retrieve(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> pb.RetrieveResult:
         return await self._retrying(
             mapping, lambda: self._plan_transfer("Retrieve", mapping, chunks, timeout)
         )
 
     def store_async(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> asyncio.Task[pb.StoreResult]:
         return asyncio.ensure_future(
             self._call(self._plan_transfer("Store", mapping, chunks, timeout))
         )
 
     def retrieve_async(
-        self,
-        mapping: MappingHandle,
-        chunks: Sequence[tuple[bytes, Sequence[int]]],
-        *,
-        timeout: Timeout = DEFAULT,
+        self, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
     ) -> asyncio.Task[pb.RetrieveResult]:
         return asyncio.ensure_future(
             self._call(self._plan_transfer("Retrieve", mapping, chunks, timeout))
