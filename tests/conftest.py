@@ -17,10 +17,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.client import KVCacheClient
 from kvsvc.config import ServerConfig
+from kvsvc.kvcache import SharedKVCache
 from kvsvc.server import Server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,3 +170,45 @@ def health_status(address: str, service: str = "", timeout: float = 5) -> int:
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+LAYOUTS: dict[str, dict] = {
+    # vLLM: per layer [2, num_blocks, block_size, kv_heads, head_dim]
+    "vllm": dict(layer_shape=None, block_dim=1),
+    # FlashInfer / SGLang style: [num_blocks, 2, block_size, kv_heads, head_dim]
+    "blocks_first": dict(layer_shape=(12, 2, 4, 2, 16), block_dim=0),
+    # blocks in the middle of a [kv_heads, num_blocks, block_size, head_dim] layout
+    "blocks_middle": dict(layer_shape=(2, 12, 4, 16), block_dim=1),
+}
+
+
+def make_cache(
+    shm_dir: Path,
+    name: str,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: str = "vllm",
+    layers: int = 3,
+    seed: int | None = None,
+) -> SharedKVCache:
+    """A small shm KV cache: `layers` x 12 blocks of 4 tokens x 2 heads x 16 dims;
+    random contents when `seed` is given."""
+    cache = SharedKVCache(
+        name,
+        num_layers=layers,
+        num_blocks=12,
+        block_size=4,
+        kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        shm_dir=str(shm_dir),
+        **LAYOUTS[layout],
+    )
+    if seed is not None:
+        fill_random(cache, seed)
+    return cache
+
+
+def fill_random(cache: SharedKVCache, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import conftest
 import grpc
 import pytest
 import torch
@@ -63,21 +64,8 @@ FP = "KVSVC_FAILPOINTS"
 
 # --- helpers ---
 def make_cache(shm_dir: Path, name: str, dtype: torch.dtype = torch.bfloat16) -> SharedKVCache:
-    """3 layers x 12 blocks of 4 tokens x 2 heads x 16 dims (vLLM layout), random data."""
-    cache = SharedKVCache(
-        name,
-        num_layers=3,
-        num_blocks=12,
-        block_size=4,
-        kv_heads=2,
-        head_dim=16,
-        dtype=dtype,
-        shm_dir=str(shm_dir),
-    )
-    g = torch.Generator().manual_seed(sum(name.encode()))
-    for layer in cache.layers:
-        layer.copy_(torch.randn(layer.shape, generator=g).to(dtype))
-    return cache
+    """The shared small cache, filled with random data seeded by its name."""
+    return conftest.make_cache(shm_dir, name, dtype, seed=sum(name.encode()))
 
 
 def block_bytes(cache: SharedKVCache, block_id: int) -> list[bytes]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVING, health_status
+from conftest import LAYOUTS, SERVING, fill_random, health_status, make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import (
@@ -23,35 +23,6 @@ from kvsvc.errors import (
 )
 from kvsvc.kvcache import SharedKVCache, rank_context
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-LAYOUTS = {
-    # vLLM: per layer [2, num_blocks, block_size, kv_heads, head_dim]
-    "vllm": dict(layer_shape=None, block_dim=1),
-    # FlashInfer / SGLang style: [num_blocks, 2, block_size, kv_heads, head_dim]
-    "blocks_first": dict(layer_shape=(12, 2, 4, 2, 16), block_dim=0),
-    # blocks in the middle of a [kv_heads, num_blocks, block_size, head_dim] layout
-    "blocks_middle": dict(layer_shape=(2, 12, 4, 16), block_dim=1),
-}
-
-
-def make_cache(shm_dir: Path, name: str, dtype=torch.bfloat16, layout="vllm", layers=3):
-    return SharedKVCache(
-        name,
-        num_layers=layers,
-        num_blocks=12,
-        block_size=4,
-        kv_heads=2,
-        head_dim=16,
-        dtype=dtype,
-        shm_dir=str(shm_dir),
-        **LAYOUTS[layout],
-    )
-
-
-def fill_random(cache: SharedKVCache, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for layer in cache.layers:
-        layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype))
 
 
 def blocks(cache: SharedKVCache, ids: list[int]) -> list[torch.Tensor]:

@@ -86,7 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging("WARNING", "text")
         return run_demo(args.target, args.shm_dir)
     if args.command == "failpoints":
-        from kvsvc import failpoints
+        try:
+            from kvsvc import failpoints
+        except ValueError as exc:
+            print(f"kvsvc failpoints: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
+            return 2
 
         print("Set KVSVC_FAILPOINTS='name=[TAG@][P*]ACTION;...' before the server starts.")
         print(

@@ -31,6 +31,7 @@ POINTS: dict[str, str] = {
     "map.rank": "Map, before each rank is opened (tag: the rank index)",
 }
 
+TAGGED = frozenset({"handler.enter", "loop.stall", "map.rank"})
 _ACTION = re.compile(
     r"^(?:(?P<p>[0-9.]+)\*)?(?P<name>raise|hang|kill-thread|sleep\((?P<ms>\d+)\))$"
 )
@@ -52,6 +53,8 @@ def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
         name = name.strip()
         if name not in POINTS:
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(POINTS))}")
+        if name in table:
+            raise ValueError(f"failpoint {name} is set twice; give each point one action")
         tag = ""
         if "@" in action:
             tag, _, action = action.partition("@")
@@ -59,6 +62,10 @@ def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
         if not m:
             raise ValueError(f"failpoint {name}: bad action {action!r}")
         prob = float(m["p"]) if m["p"] else 1.0
+        if not 0.0 < prob <= 1.0:
+            raise ValueError(f"failpoint {name}: probability {prob} is not in (0, 1]")
+        if tag and name not in TAGGED:
+            raise ValueError(f"failpoint {name} takes no tag (only {', '.join(sorted(TAGGED))} do)")
         kind = m["name"].split("(")[0]
         table[name] = (prob, kind, int(m["ms"] or 0), tag.strip())
     return table

@@ -59,6 +59,7 @@ log = logging.getLogger("kvsvc.server")
 R = TypeVar("R")
 MAP_RETRY_S = 0.02
 PARALLEL_MIN_BYTES = 4 << 20
+STOP_GRACE_S = 0.5
 
 
 @dataclass
@@ -699,7 +700,9 @@ class Server:
         engine = self.servicer.engine
         while engine.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
+        # Copies are drained; other calls are short, and health Watch streams never
+        # end on their own, so they must not hold the exit for the whole grace.
+        await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         if engine.inflight:
             log.warning(
                 "shutdown: copies still running after the %.1f s grace period: %s",
