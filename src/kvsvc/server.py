@@ -39,6 +39,7 @@ from kvsvc.errors import (
     to_remote_error,
 )
 from kvsvc.health import Health, Watchdog
+from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import (
     CopyPlan,
@@ -91,6 +92,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             )
             started = time.perf_counter()
             outcome = "result"
+            token = REQUEST_ID.set(call.request_id)
             try:
                 failpoints.hit("loop.stall", name)
                 await failpoints.hit_async("handler.enter", name)
@@ -118,6 +120,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 outcome = response.error.reason
                 return response
             finally:
+                REQUEST_ID.reset(token)
                 self.metrics.requests.labels(name, outcome).inc()
                 self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
 
