@@ -316,7 +316,7 @@ class CudaRegion:
             h.storage_offset_bytes,
             h.ref_counter_handle,
             h.ref_counter_offset,
-            h.event_handle,
+            h.event_handle or None,
             h.event_sync_required,
         )
         if self.storage.nbytes() < need_bytes:
@@ -517,12 +517,12 @@ class Mapping:
             i += 1
         return hasher.intdigest()
 
-    def copy_cuda(self, plan: CopyPlan, buf: memoryview, *, to_store: bool) -> None:
-        """Copy a whole chunk between CUDA blocks and the pinned store."""
-        self._cuda_copy(plan.block_ids, buf, to_store=to_store)
+    def copy_cuda(self, plan: CopyPlan, host: torch.Tensor, *, to_store: bool) -> None:
+        """Copy a whole chunk between CUDA blocks and its bytes in the pinned store
+        (``host``: a slice of the store's pinned tensor, so copies are async DMA)."""
+        self._cuda_copy(plan.block_ids, host, to_store=to_store)
 
-    def _cuda_copy(self, block_ids: list[int], buf: memoryview, *, to_store: bool) -> None:
-        host = torch.frombuffer(buf, dtype=torch.uint8)
+    def _cuda_copy(self, block_ids: list[int], host: torch.Tensor, *, to_store: bool) -> None:
         pos = 0
         used: list[CudaRegion] = []
         for rank in self.ranks:

@@ -245,6 +245,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
+        kinds = {type(region) for r in ranks for region in r.regions.values()}
+        if len(kinds) > 1:
+            for opened in ranks:
+                opened.close()
+            raise InvalidRequest(
+                "a mapping's ranks must all be shared memory or all CUDA",
+                reason="MIXED_REGION_KINDS",
+            )
         blocks = {r.tensors[0].num_blocks for r in ranks}
         if len(blocks) != 1:
             for opened in ranks:
@@ -365,7 +373,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         for ci, (chunk, src) in enumerate(todo):
             dst = self.store.chunk_view(chunk)
             if kind == "blocks":
-                pieces.extend(_block_pieces(mapping, mapping.plan(src), dst, ci, to_store=True))
+                pieces.extend(
+                    _block_pieces(
+                        mapping,
+                        mapping.plan(src),
+                        dst,
+                        ci,
+                        to_store=True,
+                        host=self.store.chunk_tensor(chunk),
+                    )
+                )
             else:
                 pieces.extend(_inline_store_pieces(src, dst, ci))
         stored = 0
@@ -479,7 +496,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 plan = mapping.plan(targets[ci])
                 pieces.extend(
                     _block_pieces(
-                        mapping, plan, src, ci, to_store=False, verify=chunk, store=self.store
+                        mapping,
+                        plan,
+                        src,
+                        ci,
+                        to_store=False,
+                        verify=chunk,
+                        store=self.store,
+                        host=self.store.chunk_tensor(chunk),
                     )
                 )
             else:
@@ -572,6 +596,7 @@ def _block_pieces(
     to_store: bool,
     verify: Chunk | None = None,
     store: ChunkStore | None = None,
+    host: torch.Tensor | None = None,
 ) -> list[Piece]:
     """One piece per checksum segment of a chunk (one per chunk on CUDA)."""
     segs = segments(len(buf))
@@ -589,7 +614,8 @@ def _block_pieces(
             if not to_store:  # verify before the bytes reach the engine's blocks
                 for si, (lo, hi) in enumerate(segs):
                     out += check(si, checksum(buf[lo:hi]))
-            mapping.copy_cuda(plan, buf, to_store=to_store)
+            assert host is not None
+            mapping.copy_cuda(plan, host, to_store=to_store)
             if to_store:
                 for si, (lo, hi) in enumerate(segs):
                     out += check(si, checksum(buf[lo:hi]))

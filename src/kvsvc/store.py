@@ -125,6 +125,10 @@ class ChunkStore:
     def chunk_view(self, chunk: Chunk) -> memoryview:
         return self.view[chunk.offset : chunk.offset + chunk.size]
 
+    def chunk_tensor(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's bytes as a slice of the (pinned, on CUDA hosts) store tensor."""
+        return self.tensor[chunk.offset : chunk.offset + chunk.size]
+
     def verify(self, chunk: Chunk, segment: int, digest: int) -> None:
         """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
         if digest != chunk.digests[segment]:
