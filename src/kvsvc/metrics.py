@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -104,6 +104,18 @@ class Metrics:
             "seconds since the fatal failure that stopped serving (-1: none)",
             lambda: time.time() - health.failure_time if health.failure_time else -1.0,
         )
+
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def observe_request(self, rpc: str, outcome: str, seconds: float) -> None:
+        """Count one answered RPC (label children cached: this runs on every call)."""
+        key = (rpc, outcome)
+        pair = self._children.get(key)
+        if pair is None:
+            pair = (self.requests.labels(rpc, outcome), self.request_seconds.labels(rpc))
+            self._children[key] = pair
+        pair[0].inc()
+        pair[1].observe(seconds)
 
     def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(nbytes)

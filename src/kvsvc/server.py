@@ -121,8 +121,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 return response
             finally:
                 REQUEST_ID.reset(token)
-                self.metrics.requests.labels(name, outcome).inc()
-                self.metrics.request_seconds.labels(name).observe(time.perf_counter() - started)
+                self.metrics.observe_request(name, outcome, time.perf_counter() - started)
 
         return handler
 
