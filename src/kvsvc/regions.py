@@ -500,7 +500,10 @@ class Mapping:
         self, plan: CopyPlan, buf: memoryview, lo: int, hi: int, *, to_store: bool
     ) -> int:
         """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
-        store); returns the xxh3 of those chunk bytes, hashed while still in cache."""
+        store); returns the xxh3 of those chunk bytes, hashed right after the copy
+        while they are still in cache. (On a Retrieve the blocks are written before
+        the check: a mismatch fails the call with DATA_LOSS, so the engine never
+        uses them.)"""
         hasher = xxhash.xxh3_64()
         i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
         while i < len(plan.ops) and plan.ops[i][2] < hi:
@@ -510,10 +513,9 @@ class Mapping:
                 piece = buf[a:b]
                 if to_store:
                     region.read(off + (a - pos), piece)
-                    hasher.update(piece)
                 else:
-                    hasher.update(piece)
                     region.write(off + (a - pos), piece)
+                hasher.update(piece)
             i += 1
         return hasher.intdigest()
 
