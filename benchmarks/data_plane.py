@@ -1,13 +1,21 @@
 """Data-plane throughput: Store and Retrieve through a real `kvsvc serve` over
-shared memory, against a plain in-process torch copy of the same bytes with the
-same thread count, in one run.
+shared memory, against two in-process references moving the same bytes, in one
+run, in alternating rounds (so machine noise hits all three alike):
+
+* torch: a plain torch copy between the shm-backed KV tensors (an mmap of the
+  file under /dev/shm) and a buffer, with the server's thread count as torch's
+  intra-op threads;
+* preadv: raw ``os.preadv``/``os.pwritev`` of the same byte runs from/to the same
+  shm file, split over the server's thread count. The server copies shared
+  memory this way (not through mmap, so a client truncating its file cannot
+  SIGBUS the server), so this is its ceiling on this machine.
 
 Chunk = blocks of a Llama-3-8B-shaped KV cache in vLLM's layout (32 layers,
 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB per block), so a 32 MiB
-chunk is one 256-token chunk. Prints a markdown table; the ratio column is
-kvsvc / plain copy (goal >= 0.95).
+chunk is one 256-token chunk. Prints a markdown table; the ratio columns are
+kvsvc / reference (goal >= 0.95 of the plain copy).
 
-    python -m benchmarks.data_plane [--quick] [--threads N] [--clients N]
+    python -m benchmarks.data_plane [--quick] [--threads N] [--clients N ...]
 """
 
 from __future__ import annotations
@@ -15,109 +23,132 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import re
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import KvsvcServer, NullProgress, Progress, bench_interleaved, md_table
 from kvsvc.client import KVCacheClient
 from kvsvc.kvcache import SharedKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2  # 2 MiB
+HALF_BLOCK_BYTES = BLOCK * HEADS * HEAD_DIM * 2  # one block's K (or V) bytes in one layer
+CHUNK_BLOCKS = (1, 16)  # 2 MiB and 32 MiB chunks
+BATCHES = (1, 16)
+STORE_BYTES = 3 << 30
+
+Op = tuple[int, int, memoryview]  # (fd, file offset, buffer slice)
 
 
-def start_server(threads: int, store_bytes: int, shm_dir: str) -> tuple[subprocess.Popen, str]:
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsvc", "serve", "--listen", "127.0.0.1:0",
-         "--transfer-threads", str(threads), "--store-bytes", str(store_bytes),
-         "--shm-dir", shm_dir],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = re.search(r"serving on (127\.0\.0\.1:\d+)", Path(log.name).read_text())
-        if m:
-            return proc, m.group(1)
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(Path(log.name).read_text())
+def cases(clients: list[int]) -> list[tuple[int, int, int]]:
+    return [(c, b, n) for c in CHUNK_BLOCKS for b in BATCHES for n in clients]
 
 
-def bench(fn, nbytes: int, seconds: float) -> float:  # noqa: ANN001
-    """GB/s of ``fn`` moving ``nbytes`` per call: median over repeated calls."""
-    fn()  # warm up (page faults, first-touch)
-    rates, t_end = [], time.monotonic() + seconds
-    while time.monotonic() < t_end or len(rates) < 3:
-        t0 = time.perf_counter()
-        fn()
-        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+def run(
+    *,
+    quick: bool,
+    threads: int = 2,
+    clients: list[int] | None = None,
+    shm_dir: str = "/dev/shm",
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Every case; one row per (op, chunk, batch, clients)."""
+    clients = clients or [1, 4]
+    progress = progress or NullProgress()
+    seconds = 1.0 if quick else 3.0
+    torch.set_num_threads(threads)
+    rows: list[dict] = []
+    with KvsvcServer(threads=threads, store_bytes=STORE_BYTES, shm_dir=shm_dir) as server:
+        for chunk_blocks, batch, n_clients in cases(clients):
+            rows.extend(
+                run_case(server.address, shm_dir, chunk_blocks, batch, n_clients, seconds, threads)
+            )
+            for r in rows[-2:]:
+                progress.log(r["line"])
+            progress.step(f"data plane {chunk_blocks * 2} MiB x {batch} x {n_clients}")
+    return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="shorter measurements")
-    ap.add_argument("--threads", type=int, default=2, help="server transfer threads = torch threads")
-    ap.add_argument("--clients", type=int, nargs="*", default=[1], help="concurrent clients")
-    ap.add_argument("--shm-dir", default="/dev/shm")
-    args = ap.parse_args()
-    seconds = 1.0 if args.quick else 3.0
-    torch.set_num_threads(args.threads)
-    rows = []
-    proc, address = start_server(args.threads, 3 << 30, args.shm_dir)
-    try:
-        for chunk_blocks in (1, 16):  # 2 MiB and 32 MiB chunks
-            for batch in (1, 16):
-                for n_clients in args.clients:
-                    rows.extend(run_case(address, args.shm_dir, chunk_blocks, batch, n_clients,
-                                         seconds))
-                    print(rows[-2]["line"], flush=True)
-                    print(rows[-1]["line"], flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    print("\n| op | chunk | batch | clients | kvsvc GB/s | torch copy GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['op']} | {r['chunk']} MiB | {r['batch']} | {r['clients']} | "
-              f"{r['kvsvc']:.2f} | {r['plain']:.2f} | {r['kvsvc'] / r['plain']:.2f} |")
+def table(rows: list[dict]) -> str:
+    return md_table(
+        ["op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s", "kvsvc/torch",
+         "preadv GB/s", "kvsvc/preadv"],
+        [(r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
+          f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}", f"{r['pread']:.2f}",
+          f"{r['kvsvc'] / r['pread']:.2f}") for r in rows],
+    )  # fmt: skip
+
+
+def split_ops(ops: list[Op], parts: int) -> list[list[Op]]:
+    """``ops`` cut into ``parts`` groups of about equal bytes (runs split as needed)."""
+    total = sum(len(v) for _, _, v in ops)
+    share = -(-total // parts)
+    groups: list[list[Op]] = [[]]
+    room = share
+    for fd, off, view in ops:
+        while len(view):
+            if room == 0:
+                groups.append([])
+                room = share
+            n = min(room, len(view))
+            groups[-1].append((fd, off, view[:n]))
+            off, view, room = off + n, view[n:], room - n
+    return groups
+
+
+def _pread_all(ops: list[Op]) -> None:
+    for fd, off, view in ops:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], off + done)
+            if n <= 0:
+                raise OSError(f"short read at {off + done}")
+            done += n
+
+
+def _pwrite_all(ops: list[Op]) -> None:
+    for fd, off, view in ops:
+        done = 0
+        while done < len(view):
+            n = os.pwritev(fd, [view[done:]], off + done)
+            if n <= 0:
+                raise OSError(f"short write at {off + done}")
+            done += n
 
 
 def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_clients: int,
-             seconds: float) -> list[dict]:
+             seconds: float, threads: int = 2) -> list[dict]:  # fmt: skip
     blocks = chunk_blocks * batch
-    tag = f"bench-{os.getpid()}-{chunk_blocks}-{batch}"
-    caches = [
-        (SharedKVCache(f"{tag}-src{c}", num_layers=LAYERS, num_blocks=blocks, block_size=BLOCK,
-                       kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir),
-         SharedKVCache(f"{tag}-dst{c}", num_layers=LAYERS, num_blocks=blocks, block_size=BLOCK,
-                       kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir))
-        for c in range(n_clients)
-    ]
+    tag = f"bench-{os.getpid()}-{chunk_blocks}-{batch}-{n_clients}"
+
+    def cache(name: str) -> SharedKVCache:
+        return SharedKVCache(name, num_layers=LAYERS, num_blocks=blocks, block_size=BLOCK,
+                             kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir)  # fmt: skip
+
+    caches: list[tuple[SharedKVCache, SharedKVCache]] = []
+    fds: list[int] = []
     nbytes = blocks * BLOCK_BYTES
     out = []
     try:
-        for src, dst in caches:
+        for c in range(n_clients):
+            caches.append((cache(f"{tag}-src{c}"), cache(f"{tag}-dst{c}")))
+        for src, _ in caches:
             for layer in src.layers:
                 layer.random_()
         clients = [KVCacheClient(address, transfer_timeout=120) for _ in range(n_clients)]
         maps = [(c.map(f"{tag}-{i}", [s.rank_region()]), c.map(f"{tag}-{i}", [d.rank_region()]))
-                for i, (c, (s, d)) in enumerate(zip(clients, caches, strict=True))]
+                for i, (c, (s, d)) in enumerate(zip(clients, caches, strict=True))]  # fmt: skip
         ids = [list(range(i * chunk_blocks, (i + 1) * chunk_blocks)) for i in range(batch)]
         counter = iter(range(10**9))
 
         # One persistent thread per client (threads made per call would each build
         # a new OpenMP team in torch and slow the reference down unfairly).
         pool = concurrent.futures.ThreadPoolExecutor(n_clients)
+        # The preadv reference: the server's number of copy threads.
+        io_pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-        def each(fn) -> list:  # noqa: ANN001
+        def each(fn: Callable[[int], object]) -> list:
             if n_clients == 1:
                 return [fn(0)]
             return list(pool.map(fn, range(n_clients)))
@@ -125,23 +156,13 @@ def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_client
         def store_all() -> None:
             n = next(counter)
             each(lambda i: clients[i].store(
-                maps[i][0], [(b"%d-%d" % (n, j), ids[j]) for j in range(batch)]))
+                maps[i][0], [(b"%d-%d" % (n, j), ids[j]) for j in range(batch)]))  # fmt: skip
 
-        kv_store = bench(store_all, nbytes * n_clients, seconds)
-        # the chunks of the last store are present: retrieve them repeatedly
-        last = next(counter) - 1
-        keys = [b"%d-%d" % (last, j) for j in range(batch)]
-
-        def retrieve_all() -> None:
-            results = each(lambda i: clients[i].retrieve(
-                maps[i][1], [(keys[j], ids[j]) for j in range(batch)]))
-            assert all(r.loaded_chunks == batch for r in results), results
-
-        kv_retrieve = bench(retrieve_all, nbytes * n_clients, seconds)
-        # reference: the same bytes gathered/scattered by torch in this process
         bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_clients)]
+        for b in bufs:
+            b.fill_(0)  # touch the reference buffers before timing
 
-        def plain(direction: str) -> None:
+        def plain(direction: str) -> Callable[[], None]:
             # The fastest plain torch copy of the same bytes: one slice copy per
             # layer and chunk (the bench's block ids are consecutive).
             def one(i: int) -> None:
@@ -152,32 +173,107 @@ def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_client
                     for s_layer, d_layer in zip(src.layers, dst.layers, strict=True):
                         n = s_layer.numel() // s_layer.shape[1] * (hi - lo) * 2
                         view = bufs[i][pos : pos + n].view(torch.bfloat16).view(
-                            2, hi - lo, BLOCK, HEADS, HEAD_DIM)
+                            2, hi - lo, BLOCK, HEADS, HEAD_DIM)  # fmt: skip
                         if direction == "store":
                             view.copy_(s_layer[:, lo:hi])
                         else:
                             d_layer[:, lo:hi].copy_(view)
                         pos += n
-            each(one)
 
-        ref_store = bench(lambda: plain("store"), nbytes * n_clients, seconds)
-        ref_retrieve = bench(lambda: plain("retrieve"), nbytes * n_clients, seconds)
+            return lambda: each(one)
+
+        def byte_ops(direction: str) -> list[list[Op]]:
+            """The chunk's byte runs in the server's order (per chunk, per layer:
+            the K run then the V run), against each client's src (store) or dst
+            (retrieve) file, split over the copy threads."""
+            ops: list[Op] = []
+            for i, (src, dst) in enumerate(caches):
+                path = src.path if direction == "store" else dst.path
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                fds.append(fd)
+                view = memoryview(bufs[i].numpy()).cast("B")
+                pos = 0
+                for j in range(batch):
+                    lo, hi = ids[j][0], ids[j][-1] + 1
+                    run_len = (hi - lo) * HALF_BLOCK_BYTES
+                    for layer in range(LAYERS):
+                        for half in range(2):
+                            off = (layer * src.layer_bytes + half * src.layer_bytes // 2
+                                   + lo * HALF_BLOCK_BYTES)  # fmt: skip
+                            ops.append((fd, off, view[pos : pos + run_len]))
+                            pos += run_len
+                assert pos == nbytes, (pos, nbytes)
+            return split_ops(ops, threads)
+
+        def raw(direction: str) -> Callable[[], None]:
+            groups = byte_ops(direction)
+            fn = _pread_all if direction == "store" else _pwrite_all
+
+            def go() -> None:
+                for f in [io_pool.submit(fn, g) for g in groups]:
+                    f.result()
+
+            return go
+
+        total = nbytes * n_clients
+        stores = bench_interleaved(
+            {"kvsvc": store_all, "plain": plain("store"), "pread": raw("store")}, total, seconds
+        )
+        # the chunks of the last store are present: retrieve them repeatedly
+        last = next(counter) - 1
+        keys = [b"%d-%d" % (last, j) for j in range(batch)]
+
+        def retrieve_all() -> None:
+            results = each(lambda i: clients[i].retrieve(
+                maps[i][1], [(keys[j], ids[j]) for j in range(batch)]))  # fmt: skip
+            assert all(r.loaded_chunks == batch for r in results), results
+
+        retrieves = bench_interleaved(
+            {"kvsvc": retrieve_all, "plain": plain("retrieve"), "pread": raw("retrieve")},
+            total,
+            seconds,
+        )
+        # the blocks kvsvc retrieves are the stored ones, bit for bit (the references
+        # wrote dst too: clear it first)
+        for _, dst in caches:
+            dst.buffer.zero_()
+        retrieve_all()
+        for src, dst in caches:
+            assert torch.equal(src.buffer, dst.buffer), "retrieved bytes differ from stored"
         pool.shutdown()
+        io_pool.shutdown()
         for c, (m_src, m_dst) in zip(clients, maps, strict=True):
             c.unmap(m_src)
             c.unmap(m_dst)
             c.close()
         mib = chunk_blocks * BLOCK_BYTES >> 20
-        for op, kv, ref in (("store", kv_store, ref_store), ("retrieve", kv_retrieve, ref_retrieve)):
+        for op, r in (("store", stores), ("retrieve", retrieves)):
+            kv, ref, pread = r["kvsvc"], r["plain"], r["pread"]
             out.append(dict(op=op, chunk=mib, batch=batch, clients=n_clients, kvsvc=kv, plain=ref,
+                            pread=pread,
                             line=f"{op:8} {mib:2} MiB x {batch:2} x {n_clients} clients: "
-                                 f"kvsvc {kv:6.2f} GB/s  torch {ref:6.2f} GB/s  "
-                                 f"ratio {kv / ref:.2f}"))
+                                 f"kvsvc {kv:6.2f} GB/s  torch {ref:6.2f} GB/s ({kv / ref:.2f})  "
+                                 f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})"))  # fmt: skip
     finally:
+        for fd in fds:
+            os.close(fd)
         for src, dst in caches:
             src.close()
             dst.close()
     return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter measurements")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="server transfer threads = torch threads")  # fmt: skip
+    ap.add_argument("--clients", type=int, nargs="*", default=[1, 4], help="concurrent clients")
+    ap.add_argument("--shm-dir", default="/dev/shm")
+    args = ap.parse_args()
+    rows = run(quick=args.quick, threads=args.threads, clients=args.clients, shm_dir=args.shm_dir)
+    print()
+    print(table(rows))
 
 
 if __name__ == "__main__":
