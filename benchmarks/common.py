@@ -49,18 +49,12 @@ class KvsvcServer:
                "--shm-dir", shm_dir, *extra_args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
         self.pid = self.proc.pid
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            m = SERVING_RE.search(self.log_path.read_text())
-            if m:
-                self.address = m.group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        text = self.log_path.read_text()
-        self.stop()
-        raise RuntimeError(f"kvsvc serve did not start:\n{text}")
+        address = wait_for_address(self.proc, self.log_path, SERVING_RE, start_timeout)
+        if address is None:
+            text = self.log_path.read_text()
+            self.stop()
+            raise RuntimeError(f"kvsvc serve did not start:\n{text}")
+        self.address = address
 
     def log_text(self) -> str:
         return self.log_path.read_text()
@@ -78,6 +72,22 @@ class KvsvcServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_for_address(
+    proc: subprocess.Popen, log_path: Path, pattern: re.Pattern[str], timeout: float
+) -> str | None:
+    """The address a starting server logs (``pattern`` group 1); None if it exits or
+    the timeout passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = pattern.search(log_path.read_text())
+        if m:
+            return m.group(1)
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
 
 
 def start_server(threads: int, store_bytes: int, shm_dir: str) -> tuple[KvsvcServer, str]:

@@ -50,6 +50,7 @@ from benchmarks.common import (
     md_table,
     pct,
     stop_process,
+    wait_for_address,
 )
 from benchmarks.echo_server import ECHO_METHOD
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
@@ -181,18 +182,12 @@ class Subprocess:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            m = re.search(r"serving on (\S+)", self.log_path.read_text())
-            if m:
-                self.address = m.group(1)
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        text = self.log_path.read_text()
-        self.stop()
-        raise RuntimeError(f"{cmd} did not start:\n{text}")
+        address = wait_for_address(self.proc, self.log_path, re.compile(r"serving on (\S+)"), 60)
+        if address is None:
+            text = self.log_path.read_text()
+            self.stop()
+            raise RuntimeError(f"{cmd} did not start:\n{text}")
+        self.address = address
 
     def stop(self, grace: float = 10.0) -> None:
         stop_process(self.proc, grace)
