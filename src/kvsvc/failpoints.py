@@ -72,6 +72,8 @@ def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
 
 
 _TABLE = parse(os.environ.get("KVSVC_FAILPOINTS", ""))
+#: False in production: callers on hot paths skip the failpoint calls entirely.
+ENABLED = bool(_TABLE)
 
 
 def active() -> dict[str, tuple[float, str, int, str]]:

@@ -94,8 +94,9 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             outcome = "result"
             token = REQUEST_ID.set(call.request_id)
             try:
-                failpoints.hit("loop.stall", name)
-                await failpoints.hit_async("handler.enter", name)
+                if failpoints.ENABLED:
+                    failpoints.hit("loop.stall", name)
+                    await failpoints.hit_async("handler.enter", name)
                 if header.envelope_version not in (0, ENVELOPE_VERSION):
                     raise UnsupportedRequest(
                         f"envelope version {header.envelope_version} is not spoken here "
