@@ -301,3 +301,21 @@ def test_fence_bars_a_transfer_id_it_has_not_seen(client, shm_dir) -> None:
     assert resp.error.reason == "TRANSFER_BARRED"
     assert resp.error.transfer_state == 1  # NOT_STARTED
     assert client.lookup([b"k"], mapping=m) == 0
+
+
+def test_a_call_without_deadline_gets_the_default_one(server, shm_dir, monkeypatch) -> None:
+    """No wait on the server is unbounded, even for a client that sets no deadline."""
+    import grpc
+
+    import kvsvc.server
+    from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(kvsvc.server, "DEFAULT_TRANSFER_DEADLINE_S", 0.5)
+    probe = make_cache(shm_dir, "never2")
+    region = probe.rank_region()
+    probe.close()
+    with grpc.insecure_channel(server.address) as ch:
+        t0 = time.monotonic()
+        r = pb_grpc.KVCacheServiceStub(ch).Map(pb.MapRequest(namespace="ns", ranks=[region]))
+    assert time.monotonic() - t0 < 5
+    assert r.error.reason == "REGION_NOT_READY"

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, failpoints
-from kvsvc.config import ServerConfig, server_options
+from kvsvc.config import DEFAULT_TRANSFER_DEADLINE_S, ServerConfig, server_options
 from kvsvc.errors import (
     ENVELOPE_VERSION,
     FINISHED,
@@ -68,7 +68,7 @@ class Call:
     """Per-request state the wrapper reads when it builds an error."""
 
     request_id: str
-    deadline: float | None
+    deadline: float  # monotonic; the client's, or the default for calls without one
     transfer: bool
     started: bool = False
 
@@ -84,10 +84,13 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
             header = request.header
+            # A call without a deadline gets the default one: no wait here is unbounded.
             remaining = context.time_remaining()
+            if remaining is None:
+                remaining = DEFAULT_TRANSFER_DEADLINE_S
             call = Call(
                 request_id=header.request_id or uuid.uuid4().hex,
-                deadline=None if remaining is None else time.monotonic() + remaining,
+                deadline=time.monotonic() + remaining,
                 transfer=transfer,
             )
             started = time.perf_counter()
@@ -300,7 +303,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 last = exc
                 if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
                     raise
-            if call.deadline is None or reply_budget(call.deadline) <= MAP_RETRY_S:
+            if reply_budget(call.deadline) <= MAP_RETRY_S:
                 cause = last.message if isinstance(last, KVServiceError) else str(last)
                 raise DeadlineExceeded(
                     f"region not ready before the deadline; last error: {cause}",
