@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from benchmarks.common import KvsvcServer, NullProgress, Progress, bench_interleaved, md_table
 from kvsvc.client import KVCacheClient
 from kvsvc.kvcache import SharedKVCache
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2  # 2 MiB
@@ -41,8 +42,11 @@ STORE_BYTES = 3 << 30
 Op = tuple[int, int, memoryview]  # (fd, file offset, buffer slice)
 
 
-def cases(clients: list[int]) -> list[tuple[int, int, int]]:
-    return [(c, b, n) for c in CHUNK_BLOCKS for b in BATCHES for n in clients]
+REGIONS = ("memfd", "file")
+
+
+def cases(clients: list[int], regions: Sequence[str] = REGIONS) -> list[tuple[str, int, int, int]]:
+    return [(r, c, b, n) for r in regions for c in CHUNK_BLOCKS for b in BATCHES for n in clients]
 
 
 def run(
@@ -50,6 +54,7 @@ def run(
     quick: bool,
     threads: int = 2,
     clients: list[int] | None = None,
+    regions: Sequence[str] = REGIONS,
     shm_dir: str = "/dev/shm",
     progress: Progress | None = None,
 ) -> list[dict]:
@@ -60,21 +65,30 @@ def run(
     torch.set_num_threads(threads)
     rows: list[dict] = []
     with KvsvcServer(threads=threads, store_bytes=STORE_BYTES, shm_dir=shm_dir) as server:
-        for chunk_blocks, batch, n_clients in cases(clients):
+        for region, chunk_blocks, batch, n_clients in cases(clients, regions):
             rows.extend(
-                run_case(server.address, shm_dir, chunk_blocks, batch, n_clients, seconds, threads)
+                run_case(
+                    server.address,
+                    shm_dir,
+                    region,
+                    chunk_blocks,
+                    batch,
+                    n_clients,
+                    seconds,
+                    threads,
+                )
             )
             for r in rows[-2:]:
                 progress.log(r["line"])
-            progress.step(f"data plane {chunk_blocks * 2} MiB x {batch} x {n_clients}")
+            progress.step(f"data plane {region} {chunk_blocks * 2} MiB x {batch} x {n_clients}")
     return rows
 
 
 def table(rows: list[dict]) -> str:
     return md_table(
-        ["op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s", "kvsvc/torch",
-         "preadv GB/s", "kvsvc/preadv"],
-        [(r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
+        ["region", "op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s",
+         "kvsvc/torch", "preadv GB/s", "kvsvc/preadv"],
+        [(r["region"], r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
           f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}", f"{r['pread']:.2f}",
           f"{r['kvsvc'] / r['pread']:.2f}") for r in rows],
     )  # fmt: skip
@@ -117,14 +131,19 @@ def _pwrite_all(ops: list[Op]) -> None:
             done += n
 
 
-def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_clients: int,
-             seconds: float, threads: int = 2) -> list[dict]:  # fmt: skip
+def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: int,
+             n_clients: int, seconds: float, threads: int = 2) -> list[dict]:  # fmt: skip
     blocks = chunk_blocks * batch
-    tag = f"bench-{os.getpid()}-{chunk_blocks}-{batch}-{n_clients}"
+    tag = f"bench-{os.getpid()}-{region}-{chunk_blocks}-{batch}-{n_clients}"
+    memfd = region == "memfd"
 
     def cache(name: str) -> SharedKVCache:
         return SharedKVCache(name, num_layers=LAYERS, num_blocks=blocks, block_size=BLOCK,
-                             kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir)  # fmt: skip
+                             kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir,
+                             memfd=memfd)  # fmt: skip
+
+    def describe(client: KVCacheClient, kv: SharedKVCache) -> pb.RankRegion:
+        return kv.rank_region(token=client.register_memfd(kv.fd) if memfd else "")
 
     caches: list[tuple[SharedKVCache, SharedKVCache]] = []
     fds: list[int] = []
@@ -137,7 +156,7 @@ def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_client
             for layer in src.layers:
                 layer.random_()
         clients = [KVCacheClient(address, transfer_timeout=120) for _ in range(n_clients)]
-        maps = [(c.map(f"{tag}-{i}", [s.rank_region()]), c.map(f"{tag}-{i}", [d.rank_region()]))
+        maps = [(c.map(f"{tag}-{i}", [describe(c, s)]), c.map(f"{tag}-{i}", [describe(c, d)]))
                 for i, (c, (s, d)) in enumerate(zip(clients, caches, strict=True))]  # fmt: skip
         ids = [list(range(i * chunk_blocks, (i + 1) * chunk_blocks)) for i in range(batch)]
         counter = iter(range(10**9))
@@ -188,8 +207,8 @@ def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_client
             (retrieve) file, split over the copy threads."""
             ops: list[Op] = []
             for i, (src, dst) in enumerate(caches):
-                path = src.path if direction == "store" else dst.path
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                kv = src if direction == "store" else dst
+                fd = os.dup(kv.fd) if memfd else os.open(kv.path, os.O_RDWR | os.O_CLOEXEC)
                 fds.append(fd)
                 view = memoryview(bufs[i].numpy()).cast("B")
                 pos = 0
@@ -249,9 +268,10 @@ def run_case(address: str, shm_dir: str, chunk_blocks: int, batch: int, n_client
         mib = chunk_blocks * BLOCK_BYTES >> 20
         for op, r in (("store", stores), ("retrieve", retrieves)):
             kv, ref, pread = r["kvsvc"], r["plain"], r["pread"]
-            out.append(dict(op=op, chunk=mib, batch=batch, clients=n_clients, kvsvc=kv, plain=ref,
-                            pread=pread,
-                            line=f"{op:8} {mib:2} MiB x {batch:2} x {n_clients} clients: "
+            out.append(dict(region=region, op=op, chunk=mib, batch=batch, clients=n_clients,
+                            kvsvc=kv, plain=ref, pread=pread,
+                            line=f"{region:5} {op:8} {mib:2} MiB x {batch:2} x {n_clients} "
+                                 "clients: "
                                  f"kvsvc {kv:6.2f} GB/s  torch {ref:6.2f} GB/s ({kv / ref:.2f})  "
                                  f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})"))  # fmt: skip
     finally:
@@ -269,9 +289,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="server transfer threads = torch threads")  # fmt: skip
     ap.add_argument("--clients", type=int, nargs="*", default=[1, 4], help="concurrent clients")
+    ap.add_argument("--regions", nargs="*", default=list(REGIONS), choices=REGIONS,
+                    help="region kinds: sealed memfd (memcpy) and file (preadv)")  # fmt: skip
     ap.add_argument("--shm-dir", default="/dev/shm")
     args = ap.parse_args()
-    rows = run(quick=args.quick, threads=args.threads, clients=args.clients, shm_dir=args.shm_dir)
+    rows = run(quick=args.quick, threads=args.threads, clients=args.clients,
+               regions=args.regions, shm_dir=args.shm_dir)  # fmt: skip
     print()
     print(table(rows))
 

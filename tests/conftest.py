@@ -189,9 +189,10 @@ def make_cache(
     layout: str = "vllm",
     layers: int = 3,
     seed: int | None = None,
+    memfd: bool = False,
 ) -> SharedKVCache:
-    """A small shm KV cache: `layers` x 12 blocks of 4 tokens x 2 heads x 16 dims;
-    random contents when `seed` is given."""
+    """A small shm KV cache (a file in `shm_dir`, or a sealed memfd): `layers` x 12
+    blocks of 4 tokens x 2 heads x 16 dims; random contents when `seed` is given."""
     cache = SharedKVCache(
         name,
         num_layers=layers,
@@ -201,6 +202,7 @@ def make_cache(
         head_dim=16,
         dtype=dtype,
         shm_dir=str(shm_dir),
+        memfd=memfd,
         **LAYOUTS[layout],
     )
     if seed is not None:

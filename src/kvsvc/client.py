@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvsvc import fdpass
 from kvsvc.config import (
     DEFAULT_CONTROL_DEADLINE_S,
     DEFAULT_TRANSFER_DEADLINE_S,
@@ -37,6 +38,7 @@ from kvsvc.errors import (
     Miss,
     ServiceUnavailable,
     TransferUnprovable,
+    Unimplemented,
     from_grpc_error,
     from_remote_error,
 )
@@ -445,6 +447,12 @@ class KVCacheClient(_Base):
         req = pb.GetServerInfoRequest(header=_header())
         return self._call(_Plan("GetServerInfo", req, self._timeout(timeout, False, "timeout")))
 
+    def register_memfd(self, fd: int, *, timeout: Timeout = DEFAULT) -> str:
+        """Pass a sealed memfd (``kvsvc.fdpass.make_sealed_memfd``) to the server, for
+        the fast CPU region kind; returns the token a ``SealedMemfdHandle`` names."""
+        budget = self._timeout(timeout, False, "timeout")
+        return fdpass.send_fd(_fd_socket(self.server_info(timeout=budget)), fd, budget)
+
     def put(
         self, namespace: str, chunks: Sequence[tuple[bytes, bytes]], *, timeout: Timeout = DEFAULT
     ) -> pb.StoreResult:
@@ -575,6 +583,12 @@ class AsyncKVCacheClient(_Base):
         plan = _Plan("GetServerInfo", req, self._timeout(timeout, False, "timeout"))
         return await self._call(plan)
 
+    async def register_memfd(self, fd: int, *, timeout: Timeout = DEFAULT) -> str:
+        """Pass a sealed memfd to the server (see KVCacheClient.register_memfd)."""
+        budget = self._timeout(timeout, False, "timeout")
+        path = _fd_socket(await self.server_info(timeout=budget))
+        return await asyncio.to_thread(fdpass.send_fd, path, fd, budget)
+
     async def put(
         self, namespace: str, chunks: Sequence[tuple[bytes, bytes]], *, timeout: Timeout = DEFAULT
     ) -> pb.StoreResult:
@@ -591,6 +605,16 @@ class AsyncKVCacheClient(_Base):
         """One chunk, inline; a miss is an error here."""
         plan = _inline_retrieve(namespace, [key], self._timeout(timeout, True, "timeout"))
         return _one_or_miss(await self._call(plan), plan, namespace, key)
+
+
+def _fd_socket(info: pb.GetServerInfoResult) -> str:
+    if not info.fd_socket:
+        raise Unimplemented(
+            "the server runs with --fd-socket off: it takes no memfds; map a file "
+            "under its shm dir instead",
+            reason="FD_PASSING_DISABLED",
+        )
+    return info.fd_socket
 
 
 def _one_or_miss(result: pb.RetrieveResult, plan: _Plan, namespace: str, key: bytes) -> bytes:

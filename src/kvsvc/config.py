@@ -48,6 +48,13 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
+# --- sealed memfd passing (kvsvc.fdpass) ---
+# A passed fd is held for Maps this long, then closed; at most this many at once.
+FD_TOKEN_TTL_S = 60.0
+FD_TOKENS_MAX = 1024
+# How long one exchange on the fd socket may take, on either end.
+FD_EXCHANGE_TIMEOUT_S = 5.0
+
 # --- client deadlines ---
 DEFAULT_TRANSFER_DEADLINE_S = 30.0
 DEFAULT_CONTROL_DEADLINE_S = 5.0
@@ -105,6 +112,7 @@ class ServerConfig:
     listen: str = "127.0.0.1:50051"
     store_bytes: int = GiB
     shm_dir: str = "/dev/shm"
+    fd_socket: str = "auto"
     device: str = "auto"
     transfer_threads: int = 2
     shutdown_grace: float = 10.0
@@ -120,6 +128,8 @@ _HELP = {
     "store_bytes": "chunk store capacity in bytes (suffixes K, M, G; MiB/GiB accepted); "
     "least recently used chunks are evicted beyond it",
     "shm_dir": "directory holding clients' shared-memory regions; names cannot escape it",
+    "fd_socket": "unix socket that takes clients' sealed memfds (the fast CPU region kind): "
+    "a path, 'auto' (a per-server name in the shm dir) or 'off'",
     "device": "where mapped regions live: 'cpu', 'cuda', or 'auto' (cuda when available)",
     "transfer_threads": "worker threads that run copies off the event loop",
     "shutdown_grace": "seconds that SIGTERM/SIGINT lets in-flight calls finish",

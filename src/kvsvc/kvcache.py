@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 from collections.abc import Sequence
 
 import torch
 
+from kvsvc.fdpass import make_sealed_memfd
 from kvsvc.regions import DTYPE_CODES
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -30,9 +32,18 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 class SharedKVCache:
-    """A CPU KV cache in one file under ``shm_dir`` (tmpfs): ``num_layers`` tensors
-    of ``[2, num_blocks, block_size, kv_heads, head_dim]`` (vLLM's layout), or any
-    per-layer ``layer_shape`` with blocks along ``block_dim``."""
+    """A CPU KV cache in one shared-memory region: ``num_layers`` tensors of
+    ``[2, num_blocks, block_size, kv_heads, head_dim]`` (vLLM's layout), or any
+    per-layer ``layer_shape`` with blocks along ``block_dim``.
+
+    By default the region is a file under ``shm_dir`` (tmpfs), which any client can
+    name. With ``memfd=True`` it is a sealed memfd, which the server copies several
+    times faster; pass it once per server start and name the token::
+
+        cache = SharedKVCache("engine0", num_layers=32, num_blocks=4096, memfd=True)
+        token = client.register_memfd(cache.fd)
+        mapping = client.map("ns", [cache.rank_region(token=token)])
+    """
 
     def __init__(
         self,
@@ -47,9 +58,10 @@ class SharedKVCache:
         layer_shape: Sequence[int] | None = None,
         block_dim: int = 1,
         shm_dir: str = "/dev/shm",
+        memfd: bool = False,
     ) -> None:
         self.name = name
-        self.path = os.path.join(shm_dir, name)
+        self.path = "" if memfd else os.path.join(shm_dir, name)
         self.dtype = dtype
         self.block_dim = block_dim
         self.shape = tuple(layer_shape or (2, num_blocks, block_size, kv_heads, head_dim))
@@ -57,12 +69,19 @@ class SharedKVCache:
         el = torch.empty((), dtype=dtype).element_size()
         self.layer_bytes = math.prod(self.shape) * el
         self.size = size = num_layers * self.layer_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+        self.fd = -1
+        self._mmap: mmap.mmap | None = None
+        if memfd:
+            self.fd = make_sealed_memfd(name, size)
+            self._mmap = mmap.mmap(self.fd, size)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
         self.layers = [
             self.buffer[i * self.layer_bytes : (i + 1) * self.layer_bytes]
             .view(dtype)
@@ -73,16 +92,28 @@ class SharedKVCache:
     def block(self, layer: int, block_id: int) -> torch.Tensor:
         return self.layers[layer].select(self.block_dim, block_id)
 
-    def rank_region(self, context: pb.RankContext | None = None) -> pb.RankRegion:
+    def rank_region(
+        self, context: pb.RankContext | None = None, *, token: str = ""
+    ) -> pb.RankRegion:
+        """The Map description of this cache; a memfd cache needs the ``token`` that
+        ``register_memfd`` returned for its fd."""
         strides = list(self.layers[0].stride())
+        if self.fd >= 0:
+            if not token:
+                raise ValueError("a memfd cache is mapped by token: pass register_memfd(fd)")
+            handle = pb.MemoryHandle(
+                sealed_memfd=pb.SealedMemfdHandle(token=token, size_bytes=self.size)
+            )
+        else:
+            handle = pb.MemoryHandle(
+                shared_memory=pb.SharedMemoryHandle(name=self.name, size_bytes=self.size)
+            )
         return pb.RankRegion(
             context=context or rank_context(),
             tensors=[
                 pb.KVTensor(
                     name=f"layer.{i}",
-                    handle=pb.MemoryHandle(
-                        shared_memory=pb.SharedMemoryHandle(name=self.name, size_bytes=self.size)
-                    ),
+                    handle=handle,
                     offset_bytes=i * self.layer_bytes,
                     shape=list(self.shape),
                     strides=strides,
@@ -96,7 +127,14 @@ class SharedKVCache:
     def close(self, unlink: bool = True) -> None:
         self.layers.clear()
         del self.buffer
-        if unlink:
+        if self.fd >= 0:
+            assert self._mmap is not None
+            # Views the caller still holds keep the mapping; it goes with them.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            os.close(self.fd)
+            self.fd = -1
+        elif unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 

@@ -6,19 +6,25 @@ A chunk's bytes are, for each rank and each tensor in mapping order, the
 contiguous bytes of ``tensor.index_select(block_dim, block_ids)``; CPU and CUDA
 regions produce the same bytes for the same layout.
 
-Shared-memory regions are copied with ``preadv``/``pwritev`` on the file, not
+Shared-memory files are copied with ``preadv``/``pwritev`` on the file, not
 through ``mmap``: a client that truncates its file then causes a short read
-(a typed error), never a SIGBUS that would kill the server.
+(a typed error), never a SIGBUS that would kill the server. Sealed memfds
+(kvsvc.fdpass) cannot shrink, so they are mapped and copied with memcpy
+(``ctypes.memmove``, which releases the GIL and costs ~1 µs a call where a
+torch slice copy costs several: runs are as small as one block of one layer).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
+import functools
 import hashlib
 import itertools
 import json
 import math
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -28,6 +34,7 @@ import torch
 import xxhash
 
 from kvsvc.errors import InvalidRequest, RegionUnavailable
+from kvsvc.fdpass import FdBroker
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 DTYPES: dict[int, torch.dtype] = {
@@ -94,8 +101,12 @@ class TensorLayout:
         block_shape = [n for i, n in enumerate(self.shape) if i != self.block_dim]
         return [str(self.dtype), self.block_dim, block_shape]
 
-    def runs(self, block_ids: list[int]) -> Iterator[tuple[int, int]]:
-        """(byte offset in the handle, length) of each contiguous run, in chunk order."""
+    @functools.cached_property
+    def _template(self) -> tuple[list[int], int, list[int], int, bool]:
+        """The tensor's geometry for ``runs``, computed once: byte offsets of the dims
+        before the block dim, the block stride, offsets of the dims between the
+        block dim and the contiguous tail, the tail's length, and whether whole
+        blocks are adjacent (then consecutive ids make one run)."""
         el = self.elsize
         ndim = len(self.shape)
         k, expected = ndim, 1
@@ -105,28 +116,48 @@ class TensorLayout:
             expected *= self.shape[i]
             k = i
         run_len = math.prod(self.shape[k:]) * el
-        if k == self.block_dim + 1 and self.strides[self.block_dim] * el == run_len:
-            # Blocks are adjacent runs: a range of consecutive ids is one run.
+
+        def offsets(dims: range) -> list[int]:
+            axes = [[j * self.strides[i] * el for j in range(self.shape[i])] for i in dims]
+            return [sum(parts) for parts in itertools.product(*axes)]
+
+        outers = [self.offset + o for o in offsets(range(self.block_dim))]
+        inners = offsets(range(self.block_dim + 1, k))
+        stride = self.strides[self.block_dim] * el
+        return outers, stride, inners, run_len, inners == [0] and stride == run_len
+
+    def runs(self, block_ids: list[int]) -> Iterator[tuple[int, int]]:
+        """(byte offset in the handle, length) of each contiguous run, in chunk order."""
+        outers, stride, inners, run_len, adjacent = self._template
+        if adjacent:
             groups: list[list[int]] = []
             for b in block_ids:
                 if groups and groups[-1][0] + groups[-1][1] == b:
                     groups[-1][1] += 1
                 else:
                     groups.append([b, 1])
-            lead = [[j * self.strides[i] for j in range(self.shape[i])] for i in range(k - 1)]
-            for parts in itertools.product(*lead):
-                base = self.offset + sum(parts) * el
+            for base in outers:
                 for first, count in groups:
-                    yield base + first * self.strides[self.block_dim] * el, count * run_len
+                    yield base + first * stride, count * run_len
             return
-        axes = [
-            [b * self.strides[i] for b in block_ids]
-            if i == self.block_dim
-            else [j * self.strides[i] for j in range(self.shape[i])]
-            for i in range(k)
-        ]
-        for parts in itertools.product(*axes):
-            yield self.offset + sum(parts) * el, run_len
+        for base in outers:
+            for b in block_ids:
+                at = base + b * stride
+                for inner in inners:
+                    yield at + inner, run_len
+
+
+def handle_identity(h: pb.MemoryHandle) -> tuple[str, int]:
+    """(key naming the memory, bytes its tensors may reach) of a set handle."""
+    kind = h.WhichOneof("kind")
+    if kind == "shared_memory":
+        return "shm:" + h.shared_memory.name, h.shared_memory.size_bytes
+    if kind == "sealed_memfd":
+        return "memfd:" + h.sealed_memfd.token, h.sealed_memfd.size_bytes
+    c = h.cuda_ipc
+    return f"cuda:{c.device_uuid}:{c.ipc_handle.hex()}:{c.storage_offset_bytes}", (
+        c.storage_size_bytes
+    )
 
 
 def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
@@ -153,16 +184,9 @@ def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
         raise bad("the innermost stride must be 1")
     if t.block_dim >= ndim:
         raise bad(f"block_dim {t.block_dim} out of range for {ndim} dims")
-    kind = t.handle.WhichOneof("kind")
-    if kind == "shared_memory":
-        handle_key = "shm:" + t.handle.shared_memory.name
-        handle_size = t.handle.shared_memory.size_bytes
-    elif kind == "cuda_ipc":
-        h = t.handle.cuda_ipc
-        handle_key = f"cuda:{h.device_uuid}:{h.ipc_handle.hex()}:{h.storage_offset_bytes}"
-        handle_size = h.storage_size_bytes
-    else:
+    if t.handle.WhichOneof("kind") is None:
         raise bad("memory handle is not set")
+    handle_key, handle_size = handle_identity(t.handle)
     layout = TensorLayout(
         label,
         handle_key,
@@ -256,7 +280,7 @@ class ShmRegion:
             return False
         return (st.st_dev, st.st_ino) == self.inode
 
-    def read(self, offset: int, dst: memoryview) -> None:
+    def read(self, offset: int, dst: memoryview, dst_addr: int) -> None:
         done = 0
         while done < len(dst):
             n = os.preadv(self.fd, [dst[done:]], offset + done)
@@ -264,7 +288,7 @@ class ShmRegion:
                 raise self._truncated(offset + done)
             done += n
 
-    def write(self, offset: int, src: memoryview) -> None:
+    def write(self, offset: int, src: memoryview, src_addr: int) -> None:
         done = 0
         while done < len(src):
             n = os.pwritev(self.fd, [src[done:]], offset + done)
@@ -285,6 +309,48 @@ class ShmRegion:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class MemfdRegion:
+    """A client's sealed memfd, mapped: it cannot shrink, so memcpy is safe. Copies
+    stay inside the mapping because every tensor was checked to end within
+    ``need_bytes``, and the mapping is released only after its copies are fenced."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, fds: FdBroker | None, token: str, need_bytes: int) -> None:
+        if fds is None:
+            raise InvalidRequest(
+                "this server runs with --fd-socket off: sealed memfd handles are refused",
+                reason="FD_PASSING_DISABLED",
+            )
+        fd, size = fds.open(token)
+        try:
+            if size < need_bytes:
+                raise InvalidRequest(
+                    f"memfd {token[:12]!r} has {size} bytes, its tensors declare {need_bytes}",
+                    reason="REGION_TOO_SMALL",
+                    metadata={"token": token[:12], "sizeBytes": size, "needBytes": need_bytes},
+                )
+            self.mm = mmap.mmap(fd, need_bytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memfd alive
+        self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.size = need_bytes
+
+    def read(self, offset: int, dst: memoryview, dst_addr: int) -> None:
+        ctypes.memmove(dst_addr, self.base + offset, len(dst))
+
+    def write(self, offset: int, src: memoryview, src_addr: int) -> None:
+        ctypes.memmove(self.base + offset, src_addr, len(src))
+
+    def synchronize(self) -> None:
+        """memcpy is synchronous; nothing is left in flight."""
+
+    def close(self) -> None:
+        self._anchor = None
+        self.mm.close()
 
 
 def cuda_device_for_uuid(uuid: str) -> int:
@@ -343,7 +409,8 @@ class CudaRegion:
         del self.storage
 
 
-Region = ShmRegion | CudaRegion
+Region = ShmRegion | MemfdRegion | CudaRegion
+HostRegion = ShmRegion | MemfdRegion
 
 
 @dataclass
@@ -358,7 +425,11 @@ class RankMapping:
 
 
 def open_rank(
-    rank: pb.RankRegion, index: int, shm_dir: str, cuda_handles: dict[str, pb.CudaIpcHandle]
+    rank: pb.RankRegion,
+    index: int,
+    shm_dir: str,
+    cuda_handles: dict[str, pb.CudaIpcHandle],
+    fds: FdBroker | None = None,
 ) -> RankMapping:
     """Validate and open one rank's regions; raises with the rank named."""
     if not rank.tensors:
@@ -375,18 +446,16 @@ def open_rank(
             metadata=rank_metadata(rank.context, index),
         )
     need: dict[str, int] = {}
-    for t, desc in zip(tensors, rank.tensors, strict=True):
-        declared = (
-            desc.handle.shared_memory.size_bytes
-            if desc.handle.WhichOneof("kind") == "shared_memory"
-            else desc.handle.cuda_ipc.storage_size_bytes
-        )
-        need[t.handle_key] = max(need.get(t.handle_key, 0), declared)
+    for t in rank.tensors:
+        key, declared = handle_identity(t.handle)
+        need[key] = max(need.get(key, 0), declared)
     regions: dict[str, Region] = {}
     try:
         for key, nbytes in need.items():
             if key.startswith("shm:"):
                 regions[key] = ShmRegion(shm_dir, key[4:], nbytes)
+            elif key.startswith("memfd:"):
+                regions[key] = MemfdRegion(fds, key[6:], nbytes)
             else:
                 regions[key] = CudaRegion(cuda_handles[key], nbytes)
     except BaseException:
@@ -397,12 +466,11 @@ def open_rank(
 
 
 def cuda_handles_of(rank: pb.RankRegion) -> dict[str, pb.CudaIpcHandle]:
-    out = {}
-    for t in rank.tensors:
-        if t.handle.WhichOneof("kind") == "cuda_ipc":
-            h = t.handle.cuda_ipc
-            out[f"cuda:{h.device_uuid}:{h.ipc_handle.hex()}:{h.storage_offset_bytes}"] = h
-    return out
+    return {
+        handle_identity(t.handle)[0]: t.handle.cuda_ipc
+        for t in rank.tensors
+        if t.handle.WhichOneof("kind") == "cuda_ipc"
+    }
 
 
 def layout_fingerprint(ranks: list[RankMapping]) -> str:
@@ -419,7 +487,7 @@ def layout_fingerprint(ranks: list[RankMapping]) -> str:
 @dataclass
 class CopyPlan:
     block_ids: list[int]
-    ops: list[tuple[ShmRegion, int, int, int]]
+    ops: list[tuple[HostRegion, int, int, int]]
     starts: list[int]  # chunk offset of each op, for bisect
 
 
@@ -481,12 +549,12 @@ class Mapping:
         runs in chunk order (shared memory), or the block ids (CUDA)."""
         if self.is_cuda:
             return CopyPlan(block_ids, [], [])
-        ops: list[tuple[ShmRegion, int, int, int]] = []
+        ops: list[tuple[HostRegion, int, int, int]] = []
         pos = 0
         for rank in self.ranks:
             for t in rank.tensors:
                 region = rank.regions[t.handle_key]
-                assert isinstance(region, ShmRegion)
+                assert isinstance(region, (ShmRegion, MemfdRegion))
                 for off, n in t.runs(block_ids):
                     last = ops[-1] if ops else None
                     if last is not None and last[0] is region and last[1] + last[3] == off:
@@ -497,13 +565,13 @@ class Mapping:
         return CopyPlan(block_ids, ops, [op[2] for op in ops])
 
     def copy_range(
-        self, plan: CopyPlan, buf: memoryview, lo: int, hi: int, *, to_store: bool
+        self, plan: CopyPlan, buf: memoryview, addr: int, lo: int, hi: int, *, to_store: bool
     ) -> int:
         """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
-        store); returns the xxh3 of those chunk bytes, hashed right after the copy
-        while they are still in cache. (On a Retrieve the blocks are written before
-        the check: a mismatch fails the call with DATA_LOSS, so the engine never
-        uses them.)"""
+        store, at address ``addr``); returns the xxh3 of those chunk bytes, hashed
+        right after the copy while they are still in cache. (On a Retrieve the blocks
+        are written before the check: a mismatch fails the call with DATA_LOSS, so
+        the engine never uses them.)"""
         hasher = xxhash.xxh3_64()
         i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
         while i < len(plan.ops) and plan.ops[i][2] < hi:
@@ -512,9 +580,9 @@ class Mapping:
             if a < b:
                 piece = buf[a:b]
                 if to_store:
-                    region.read(off + (a - pos), piece)
+                    region.read(off + (a - pos), piece, addr + a)
                 else:
-                    region.write(off + (a - pos), piece)
+                    region.write(off + (a - pos), piece, addr + a)
                 hasher.update(piece)
             i += 1
         return hasher.intdigest()

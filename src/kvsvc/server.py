@@ -20,7 +20,7 @@ from google.protobuf import timestamp_pb2
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvsvc import __version__, failpoints
+from kvsvc import __version__, failpoints, fdpass
 from kvsvc.config import DEFAULT_TRANSFER_DEADLINE_S, ServerConfig, server_options
 from kvsvc.errors import (
     ENVELOPE_VERSION,
@@ -43,6 +43,7 @@ from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import (
     CopyPlan,
+    CudaRegion,
     Mapping,
     RankMapping,
     cuda_handles_of,
@@ -146,6 +147,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
+        fd_path = fdpass.socket_path(config.fd_socket, config.shm_dir, self.start_id)
+        self.fds = fdpass.FdBroker(fd_path) if fd_path else None
         self.metrics = Metrics(self)
 
     async def _error(
@@ -248,7 +251,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
-        kinds = {type(region) for r in ranks for region in r.regions.values()}
+        kinds = {isinstance(region, CudaRegion) for r in ranks for region in r.regions.values()}
         if len(kinds) > 1:
             for opened in ranks:
                 opened.close()
@@ -298,7 +301,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         handles = cuda_handles_of(rank)
         while True:
             try:
-                return await asyncio.to_thread(open_rank, rank, index, self.config.shm_dir, handles)
+                return await asyncio.to_thread(
+                    open_rank, rank, index, self.config.shm_dir, handles, self.fds
+                )
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc
                 if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
@@ -580,6 +585,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             failure_reason=self.health.failure_reason,
             start_time=_timestamp(self.start_time),
             device=self.device,
+            fd_socket=self.fds.path if self.fds is not None else "",
         )
         if self.health.failure_time:
             result.failure_time.CopyFrom(_timestamp(self.health.failure_time))
@@ -626,8 +632,11 @@ def _block_pieces(
 
         return [cuda_piece]
 
+    assert host is not None
+    addr = host.data_ptr()
+
     def piece(si: int, lo: int, hi: int) -> Piece:
-        return lambda: check(si, mapping.copy_range(plan, buf, lo, hi, to_store=to_store))
+        return lambda: check(si, mapping.copy_range(plan, buf, addr, lo, hi, to_store=to_store))
 
     return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segs)]
 
@@ -701,6 +710,8 @@ class Server:
         self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
 
     async def start(self) -> None:
+        if self.servicer.fds is not None:
+            self.servicer.fds.start()
         await self.health.start()
         await self.grpc.start()
         self.watchdog = Watchdog(
@@ -743,6 +754,8 @@ class Server:
             )
         engine.shutdown()
         self.watchdog.stop()
+        if self.servicer.fds is not None:
+            self.servicer.fds.close()
 
 
 async def serve(config: ServerConfig) -> int:

@@ -143,6 +143,41 @@ class SharedMemoryHandle(_message.Message):
 Global___SharedMemoryHandle: _TypeAlias = SharedMemoryHandle  # noqa: Y015
 
 @_typing.final
+class SealedMemfdHandle(_message.Message):
+    """A sealed memfd the client passed to the server's fd socket (CPU hosts).
+    The server maps it and copies with memcpy, which is several times faster
+    than the positional file I/O used for SharedMemoryHandle; this is safe only
+    because the memfd carries F_SEAL_SHRINK, so it can never be truncated under
+    the server's mapping. To get a token: connect a SOCK_SEQPACKET socket to
+    GetServerInfoResult.fd_socket and send the fd with SCM_RIGHTS (the Python
+    client's register_memfd does this).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """What the fd socket answered for the fd; usable by any Map until it
+    expires, 60 s after the fd was passed.
+    """
+    size_bytes: _builtins.int
+    """Size the tensors may reach; must not exceed the memfd's size."""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["size_bytes", b"size_bytes", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SealedMemfdHandle: _TypeAlias = SealedMemfdHandle  # noqa: Y015
+
+@_typing.final
 class CudaIpcHandle(_message.Message):
     """A CUDA allocation shared through torch's CUDA IPC (GPU hosts)."""
 
@@ -196,21 +231,25 @@ class MemoryHandle(_message.Message):
 
     SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
+    SEALED_MEMFD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def shared_memory(self) -> Global___SharedMemoryHandle: ...
     @_builtins.property
     def cuda_ipc(self) -> Global___CudaIpcHandle: ...
+    @_builtins.property
+    def sealed_memfd(self) -> Global___SealedMemfdHandle: ...
     def __init__(
         self,
         *,
         shared_memory: Global___SharedMemoryHandle | None = ...,
         cuda_ipc: Global___CudaIpcHandle | None = ...,
+        sealed_memfd: Global___SealedMemfdHandle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "shared_memory", b"shared_memory"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "sealed_memfd", b"sealed_memfd", "shared_memory", b"shared_memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "shared_memory", b"shared_memory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "kind", b"kind", "sealed_memfd", b"sealed_memfd", "shared_memory", b"shared_memory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shared_memory", "cuda_ipc"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shared_memory", "cuda_ipc", "sealed_memfd"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -963,6 +1002,7 @@ class GetServerInfoResult(_message.Message):
     FAILURE_TIME_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    FD_SOCKET_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     envelope_version: _builtins.int
     server_start_id: _builtins.str
@@ -978,6 +1018,10 @@ class GetServerInfoResult(_message.Message):
     """Reason of the fatal failure that stopped serving, if any."""
     device: _builtins.str
     """"cpu" or "cuda": where mapped regions may live."""
+    fd_socket: _builtins.str
+    """Unix socket (SOCK_SEQPACKET) that takes sealed memfds for
+    SealedMemfdHandle; empty when the server runs with --fd-socket off.
+    """
     @_builtins.property
     def failure_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -999,10 +1043,11 @@ class GetServerInfoResult(_message.Message):
         failure_time: _timestamp_pb2.Timestamp | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         device: _builtins.str = ...,
+        fd_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["failure_time", b"failure_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "device", b"device", "envelope_version", b"envelope_version", "evicted_chunks", b"evicted_chunks", "failure_reason", b"failure_reason", "failure_time", b"failure_time", "inflight_transfers", b"inflight_transfers", "mappings", b"mappings", "server_start_id", b"server_start_id", "serving", b"serving", "start_time", b"start_time", "stored_chunks", b"stored_chunks", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "device", b"device", "envelope_version", b"envelope_version", "evicted_chunks", b"evicted_chunks", "failure_reason", b"failure_reason", "failure_time", b"failure_time", "fd_socket", b"fd_socket", "inflight_transfers", b"inflight_transfers", "mappings", b"mappings", "server_start_id", b"server_start_id", "serving", b"serving", "start_time", b"start_time", "stored_chunks", b"stored_chunks", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,238 @@
+"""Sealed memfd regions passed over the server's fd socket: the fast CPU region
+kind. The server maps them, so what makes that safe (the shrink seal) and what
+bounds the fds it holds (tokens, expiry) is tested here, on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+import time
+
+import pytest
+import torch
+from conftest import LAYOUTS, SERVING, ServerThread, fill_random, health_status, make_cache
+
+from kvsvc import fdpass
+from kvsvc.client import AsyncKVCacheClient
+from kvsvc.errors import CapacityExhausted, InvalidRequest, Unimplemented
+from kvsvc.kvcache import rank_context
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+
+def blocks(cache, ids: list[int]) -> list[torch.Tensor]:
+    return [layer.index_select(cache.block_dim, torch.tensor(ids)) for layer in cache.layers]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_memfd_round_trip_tp2_is_bit_exact(client, shm_dir, layout) -> None:
+    src = [make_cache(shm_dir, f"src{r}", layout=layout, seed=r, memfd=True) for r in range(2)]
+    dst = [make_cache(shm_dir, f"dst{r}", layout=layout, memfd=True) for r in range(2)]
+    ctx = [rank_context(tp_rank=r, tp_size=2) for r in range(2)]
+    m_src = client.map(
+        "ns", [c.rank_region(ctx[i], token=client.register_memfd(c.fd)) for i, c in enumerate(src)]
+    )
+    m_dst = client.map(
+        "ns", [c.rank_region(ctx[i], token=client.register_memfd(c.fd)) for i, c in enumerate(dst)]
+    )
+    assert client.store(m_src, [(b"a", [0, 1, 2]), (b"b", [9, 3, 7])]).stored_chunks == 2
+    got = client.retrieve(m_dst, [(b"a", [11, 10, 4]), (b"b", [5, 6, 8])])
+    assert got.loaded_chunks == 2
+    for r in range(2):
+        assert same(blocks(src[r], [0, 1, 2, 9, 3, 7]), blocks(dst[r], [11, 10, 4, 5, 6, 8]))
+
+
+def test_memfd_and_file_regions_hold_the_same_bytes(client, shm_dir) -> None:
+    """A chunk stored from a memfd loads into a file region, and back: one layout."""
+    mem = make_cache(shm_dir, "mem", seed=3, memfd=True)
+    file = make_cache(shm_dir, "file")
+    m_mem = client.map("ns", [mem.rank_region(token=client.register_memfd(mem.fd))])
+    m_file = client.map("ns", [file.rank_region()])
+    assert m_mem.layout_fingerprint == m_file.layout_fingerprint
+    client.store(m_mem, [(b"k", [1, 2])])
+    client.retrieve(m_file, [(b"k", [5, 6])])
+    assert same(blocks(mem, [1, 2]), blocks(file, [5, 6]))
+    client.store(m_file, [(b"k2", [5, 6])])
+    client.retrieve(m_mem, [(b"k2", [8, 9])])
+    assert same(blocks(mem, [1, 2]), blocks(mem, [8, 9]))
+
+
+def test_a_mapped_memfd_cannot_shrink_and_outlives_its_owner(server, client, shm_dir) -> None:
+    cache = make_cache(shm_dir, "c", seed=1, memfd=True)
+    m = client.map("ns", [cache.rank_region(token=client.register_memfd(cache.fd))])
+    with pytest.raises(PermissionError):
+        os.ftruncate(cache.fd, 0)  # the seal: what makes the server's mmap safe
+    expected = [t.clone() for t in blocks(cache, [2, 3])]
+    client.store(m, [(b"k", [0, 1])])
+    cache.close()  # the owner lets go of its fd and mapping: the server's stays valid
+    client.store(m, [(b"k2", [2, 3])])
+    assert client.retrieve(m, [(b"k", [4, 5])]).loaded_chunks == 1
+    out = make_cache(shm_dir, "out")
+    client.retrieve(client.map("ns", [out.rank_region()]), [(b"k2", [0, 1])])
+    assert same(expected, blocks(out, [0, 1]))
+    assert health_status(server.address) == SERVING
+    client.unmap(m)
+
+
+def test_fds_that_are_not_sealed_memfds_are_refused(server, client, tmp_path) -> None:
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4096)
+    plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain, 4096)
+    try:
+        for fd in (unsealed, plain):
+            with pytest.raises(InvalidRequest) as e:
+                client.register_memfd(fd)
+            assert e.value.reason == "FD_NOT_SEALED"
+            assert "F_SEAL_SHRINK" in e.value.message
+    finally:
+        os.close(unsealed)
+        os.close(plain)
+    assert len(server.server.servicer.fds) == 0
+    assert health_status(server.address) == SERVING
+
+
+def test_malformed_passes_are_answered_and_the_socket_keeps_serving(server, client) -> None:
+    path = client.server_info().fd_socket
+    a, b = os.memfd_create("a"), os.memfd_create("b")
+    try:
+        for msg, fds in ((b"hello", [a]), (fdpass.MAGIC, [a, b]), (fdpass.MAGIC, [])):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.settimeout(5)
+                s.connect(path)
+                socket.send_fds(s, [msg], fds)
+                reply = s.recv(65536)
+            assert reply[:1] == b"\1", reply
+            err = fdpass.error_pb2.RemoteError.FromString(reply[1:])
+            assert err.reason == "FD_PASS_MALFORMED"
+    finally:
+        os.close(a)
+        os.close(b)
+    good = fdpass.make_sealed_memfd("good", 4096)
+    try:
+        assert len(client.register_memfd(good)) == 32
+    finally:
+        os.close(good)
+
+
+def test_unknown_token_and_oversized_handle_fail_fast(client) -> None:
+    fd = fdpass.make_sealed_memfd("small", 4096)
+    try:
+        token = client.register_memfd(fd)
+    finally:
+        os.close(fd)  # the server holds its own copy until the token expires
+
+    def region(token: str, size: int) -> pb.RankRegion:
+        return pb.RankRegion(
+            context=rank_context(),
+            tensors=[
+                pb.KVTensor(
+                    handle=pb.MemoryHandle(
+                        sealed_memfd=pb.SealedMemfdHandle(token=token, size_bytes=size)
+                    ),
+                    shape=[4, 1024],
+                    strides=[1024, 1],
+                    dtype=pb.DTYPE_UINT8,
+                )
+            ],
+        )
+
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest) as e:
+        client.map("ns", [region("f" * 32, 4096)], timeout=10)
+    assert e.value.reason == "FD_TOKEN_UNKNOWN"
+    with pytest.raises(InvalidRequest) as e:
+        client.map("ns", [region(token, 8192)], timeout=10)
+    assert e.value.reason == "REGION_TOO_SMALL"
+    assert time.monotonic() - started < 5  # not retried until the deadline
+    assert client.map("ns", [region(token, 4096)]).num_blocks == 4
+
+
+def test_server_without_fd_socket_says_so(make_server, shm_dir) -> None:
+    from kvsvc.client import KVCacheClient
+
+    st = make_server(fd_socket="off")
+    with KVCacheClient(st.address) as c:
+        assert c.server_info().fd_socket == ""
+        fd = fdpass.make_sealed_memfd("x", 4096)
+        try:
+            with pytest.raises(Unimplemented) as e:
+                c.register_memfd(fd)
+        finally:
+            os.close(fd)
+        assert e.value.reason == "FD_PASSING_DISABLED"
+        region = pb.RankRegion(
+            tensors=[
+                pb.KVTensor(
+                    handle=pb.MemoryHandle(
+                        sealed_memfd=pb.SealedMemfdHandle(token="t", size_bytes=4096)
+                    ),
+                    shape=[4, 1024],
+                    strides=[1024, 1],
+                    dtype=pb.DTYPE_UINT8,
+                )
+            ]
+        )
+        with pytest.raises(InvalidRequest) as e2:
+            c.map("ns", [region])
+        assert e2.value.reason == "FD_PASSING_DISABLED"
+
+
+def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
+    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=0.3, max_tokens=2)
+    broker.start()
+    fds = [fdpass.make_sealed_memfd(f"m{i}", 4096) for i in range(3)]
+    try:
+        tokens = [fdpass.send_fd(broker.path, fd) for fd in fds[:2]]
+        with pytest.raises(CapacityExhausted) as e:
+            fdpass.send_fd(broker.path, fds[2])
+        assert e.value.reason == "FD_TOKENS_EXHAUSTED"
+        dup, size = broker.open(tokens[0])
+        os.close(dup)
+        assert size == 4096
+        time.sleep(0.4)
+        with pytest.raises(InvalidRequest):
+            broker.open(tokens[0])
+        assert len(broker) == 0  # expired fds are closed, not just forgotten
+        fdpass.send_fd(broker.path, fds[2])
+    finally:
+        broker.close()
+        for fd in fds:
+            os.close(fd)
+    assert not os.path.exists(broker.path)
+
+
+def test_async_client_registers_and_stop_removes_the_socket(config, shm_dir) -> None:
+    st = ServerThread(config)
+    cache = make_cache(shm_dir, "a", seed=5, memfd=True)
+
+    async def go() -> str:
+        async with AsyncKVCacheClient(st.address) as c:
+            token = await c.register_memfd(cache.fd)
+            m = await c.map("ns", [cache.rank_region(token=token)])
+            await c.store(m, [(b"k", [0])])
+            return (await c.server_info()).fd_socket
+
+    path = asyncio.run(go())
+    assert os.path.exists(path)
+    st.stop()
+    assert not os.path.exists(path)
+    fill_random(cache, 0)
+    cache.close()
+
+
+def test_sealed_memfd_helper_seals_size() -> None:
+    fd = fdpass.make_sealed_memfd("s", 8192)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+        assert fdpass.check_sealed(fd) == 8192
+    finally:
+        os.close(fd)
