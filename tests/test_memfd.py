@@ -236,3 +236,24 @@ def test_sealed_memfd_helper_seals_size() -> None:
         assert fdpass.check_sealed(fd) == 8192
     finally:
         os.close(fd)
+
+
+def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
+    make_server, tmp_path, caplog
+) -> None:
+    from kvsvc.client import KVCacheClient
+    from kvsvc.config import ServerConfig
+    from kvsvc.server import Server
+
+    missing = tmp_path / "no-such-dir"
+    st = make_server(shm_dir=str(missing))
+    with KVCacheClient(st.address) as c:
+        assert c.server_info().fd_socket == ""
+    assert "sealed memfd regions are off" in caplog.text
+
+    async def make() -> Server:
+        cfg = ServerConfig(listen="127.0.0.1:0", store_bytes=1 << 20, fd_socket=str(missing / "s"))
+        return Server(cfg)
+
+    with pytest.raises(OSError):  # a path the operator chose must work
+        asyncio.run(make())

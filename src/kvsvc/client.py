@@ -610,8 +610,8 @@ class AsyncKVCacheClient(_Base):
 def _fd_socket(info: pb.GetServerInfoResult) -> str:
     if not info.fd_socket:
         raise Unimplemented(
-            "the server runs with --fd-socket off: it takes no memfds; map a file "
-            "under its shm dir instead",
+            "the server has no fd socket (--fd-socket off, or it could not make one: "
+            "see its log), so it takes no memfds; map a file under its shm dir instead",
             reason="FD_PASSING_DISABLED",
         )
     return info.fd_socket

@@ -147,9 +147,22 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
-        fd_path = fdpass.socket_path(config.fd_socket, config.shm_dir, self.start_id)
-        self.fds = fdpass.FdBroker(fd_path) if fd_path else None
+        self.fds = self._fd_broker(config)
         self.metrics = Metrics(self)
+
+    def _fd_broker(self, config: ServerConfig) -> fdpass.FdBroker | None:
+        """The fd socket; with 'auto', a place where none can be made (read-only
+        shm dir) only turns memfd regions off, loudly; a path given must work."""
+        path = fdpass.socket_path(config.fd_socket, config.shm_dir, self.start_id)
+        if path is None:
+            return None
+        try:
+            return fdpass.FdBroker(path)
+        except OSError as exc:
+            if config.fd_socket != "auto":
+                raise
+            log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
+            return None
 
     async def _error(
         self, name: str, call: Call, exc: BaseException, response_cls: type[Any]
