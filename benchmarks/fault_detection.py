@@ -10,9 +10,9 @@
    the same Lookup against a server with handler.enter=Lookup@raise and against
    a normal one, calls interleaved, p50/p99.
 
-    python -m benchmarks.fault_detection [--quick]
+    python -m benchmarks.fault_detection [--quick] [--out DIR]
 
-Prints a markdown table and writes it to bench-results/fault_detection.md.
+Prints a markdown table; with --out, also writes it to DIR/fault_detection.md.
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 injections, 300 calls")
     ap.add_argument("--injections", type=int, default=None)
     ap.add_argument("--calls", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
     n_inj = args.injections or (3 if args.quick else 20)
     n_calls = args.calls or (300 if args.quick else 2000)
@@ -229,10 +230,10 @@ def main() -> int:
     ]
     table = "\n".join(lines)
     print(table)
-    out = REPO / "bench-results"
-    out.mkdir(exist_ok=True)
-    (out / "fault_detection.md").write_text(table)
-    print(f"written to {out / 'fault_detection.md'}", file=sys.stderr)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fault_detection.md").write_text(table)
+        print(f"written to {args.out / 'fault_detection.md'}", file=sys.stderr)
     return 0
 
 

@@ -53,12 +53,13 @@ def git_state() -> str:
 
 
 # --- 3 + 4: the fault benchmark, another script ---
-def run_fault_detection(quick: bool, progress: Progress) -> dict[str, Any]:
+def run_fault_detection(quick: bool, progress: Progress, out_dir: Path) -> dict[str, Any]:
     """Run benchmarks/fault_detection.py and read its markdown tables."""
     script = REPO / "benchmarks" / "fault_detection.py"
     if not script.exists():
         raise RuntimeError(f"{script} does not exist")
-    cmd = [sys.executable, "-m", "benchmarks.fault_detection", *(["--quick"] if quick else [])]
+    cmd = [sys.executable, "-m", "benchmarks.fault_detection", "--out", str(out_dir),
+           *(["--quick"] if quick else [])]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     timer = threading.Timer(1800, proc.kill)  # bounded: 30 minutes at most
@@ -413,7 +414,7 @@ def main() -> int:
 
     def do_faults() -> None:
         try:
-            results["faults"] = run_fault_detection(args.quick, progress)
+            results["faults"] = run_fault_detection(args.quick, progress, out)
         finally:
             progress.step("fault detection")
 
