@@ -104,13 +104,20 @@ def run_fault_detection(quick: bool, progress: Progress, out_dir: Path) -> dict[
 
 # --- goals ---
 def data_goals(rows: list[dict]) -> dict[str, Any]:
-    ratios = [r["kvsvc"] / r["plain"] for r in rows]
-    met = sum(x >= 0.95 for x in ratios)
-    return {"met": met == len(rows) and bool(rows), "detail":
-            f"{met} of {len(rows)} rows reach 0.95 of the torch copy (kvsvc/torch "
-            f"{min(ratios):.2f} to {max(ratios):.2f}; kvsvc/preadv "
-            f"{min(r['kvsvc'] / r['pread'] for r in rows):.2f} to "
-            f"{max(r['kvsvc'] / r['pread'] for r in rows):.2f})"}  # fmt: skip
+    """Judged on the fast region kind (sealed memfd); the file kind is reported."""
+    detail = []
+    met_all = bool(rows)
+    for region in data_plane.REGIONS:
+        sel = [r for r in rows if r["region"] == region]
+        if not sel:
+            continue
+        ratios = [r["kvsvc"] / r["plain"] for r in sel]
+        met = sum(x >= 0.95 for x in ratios)
+        if region == data_plane.REGIONS[0]:
+            met_all = met == len(sel)
+        detail.append(f"{region}: {met} of {len(sel)} rows reach 0.95 of the torch copy "
+                      f"(kvsvc/torch {min(ratios):.2f} to {max(ratios):.2f})")  # fmt: skip
+    return {"met": met_all, "detail": "; ".join(detail)}
 
 
 def control_goals(rs: list[dict]) -> dict[str, Any]:
@@ -166,9 +173,13 @@ def plots(out: Path, results: dict[str, Any], progress: Progress) -> list[str]:
     made = []
     rows = results.get("data_plane") or []
     if rows:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-        for ax, op in zip(axes, ("store", "retrieve"), strict=True):
-            sel = [r for r in rows if r["op"] == op]
+        regions = [g for g in data_plane.REGIONS if any(r["region"] == g for r in rows)]
+        fig, grid = plt.subplots(len(regions), 2, figsize=(13, 4.5 * len(regions)),
+                                 sharey=True, squeeze=False)  # fmt: skip
+        for ax, (region, op) in zip(
+            grid.flat, [(g, o) for g in regions for o in ("store", "retrieve")], strict=True
+        ):
+            sel = [r for r in rows if r["op"] == op and r["region"] == region]
             xs = range(len(sel))
             w = 0.27
             for k, (key, label) in enumerate((("kvsvc", "kvsvc"), ("plain", "torch copy"),
@@ -177,9 +188,9 @@ def plots(out: Path, results: dict[str, Any], progress: Progress) -> list[str]:
             ax.set_xticks(list(xs))
             ax.set_xticklabels([f"{r['chunk']}MiB\nx{r['batch']}\n{r['clients']}cl" for r in sel],
                                fontsize=8)  # fmt: skip
-            ax.set_title(f"{op} (GB/s, higher is better)")
+            ax.set_title(f"{op}, {region} regions (GB/s, higher is better)")
             ax.grid(axis="y", alpha=0.3)
-        axes[0].legend()
+        grid[0][0].legend()
         fig.tight_layout()
         fig.savefig(out / "data_plane.png", dpi=110)
         plt.close(fig)
