@@ -196,15 +196,17 @@ def block_load(
     chunk_blocks: int,
     batch: int,
     done: Counter,
+    region: str = "memfd",
 ) -> None:
     blocks = chunk_blocks * batch
     name = f"prof-{os.getpid()}"
+    memfd = region == "memfd"
     with SharedKVCache(name, num_layers=LAYERS, num_blocks=blocks, block_size=BLOCK,
-                       kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir) as kv, \
+                       kv_heads=HEADS, head_dim=HEAD_DIM, shm_dir=shm_dir, memfd=memfd) as kv, \
             KVCacheClient(address, transfer_timeout=120) as c:  # fmt: skip
         for layer in kv.layers:
             layer.random_()
-        m = c.map(name, [kv.rank_region()])
+        m = c.map(name, [kv.rank_region(token=c.register_memfd(kv.fd) if memfd else "")])
         ids = [list(range(i * chunk_blocks, (i + 1) * chunk_blocks)) for i in range(batch)]
         c.store(m, [(b"p-%d" % j, ids[j]) for j in range(batch)])
         t_end = time.monotonic() + seconds
@@ -226,6 +228,7 @@ def profile(
     chunk_blocks: int = 16,
     batch: int = 16,
     gil: bool | None = None,
+    region: str = "memfd",
 ) -> dict[str, Any]:
     """Run ``mode``'s load against a fresh server for ``seconds`` + margins while
     py-spy records the server (and this process, for ``lookup``), and measure
@@ -243,7 +246,7 @@ def profile(
         with KvsvcServer(store_bytes=3 << 30, shm_dir=shm_dir) as server:
             result: dict[str, Any] = {"mode": mode, "seconds": seconds, "concurrency": concurrency,
                                       "chunk_blocks": chunk_blocks, "batch": batch,
-                                      "gil": gil}  # fmt: skip
+                                      "gil": gil, "region": region}  # fmt: skip
             box: dict[str, Any] = {}
             done = Counter()
 
@@ -253,7 +256,7 @@ def profile(
                         lookup_load(server.address, concurrency, seconds + 3, done)
                     else:
                         block_load(server.address, shm_dir, mode, seconds + 3, chunk_blocks,
-                                   batch, done)  # fmt: skip
+                                   batch, done, region)  # fmt: skip
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
                     box["error"] = exc
 
@@ -292,8 +295,9 @@ def markdown(result: dict[str, Any]) -> str:
     mib, batch = result["chunk_blocks"] * 2, result["batch"]
     what = {
         "lookup": f"Lookup of 8 keys, AsyncKVCacheClient, {result['concurrency']} asyncio tasks",
-        "store": f"Store of {batch} x {mib} MiB chunks over shared memory, 1 client",
-        "retrieve": f"Retrieve of {batch} x {mib} MiB chunks over shared memory, 1 client",
+        "store": f"Store of {batch} x {mib} MiB chunks, {result.get('region')} regions, 1 client",
+        "retrieve": f"Retrieve of {batch} x {mib} MiB chunks, {result.get('region')} regions, "
+        "1 client",
     }[mode]
     kind = "samples holding the GIL" if result["gil"] else "samples of runnable threads"
     parts = []
@@ -319,11 +323,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="lookup callers")
     ap.add_argument("--chunk-blocks", type=int, default=16, help="2 MiB blocks per chunk")
     ap.add_argument("--batch", type=int, default=16, help="chunks per Store/Retrieve")
+    ap.add_argument("--region", choices=["memfd", "file"], default="memfd")
     ap.add_argument("--gil", action=argparse.BooleanOptionalAction, default=None,
                     help="only samples holding the GIL (default: for lookup)")  # fmt: skip
     args = ap.parse_args()
     result = profile(args.mode, seconds=args.seconds, concurrency=args.concurrency,
-                     chunk_blocks=args.chunk_blocks, batch=args.batch, gil=args.gil)  # fmt: skip
+                     chunk_blocks=args.chunk_blocks, batch=args.batch, gil=args.gil,
+                     region=args.region)  # fmt: skip
     print(markdown(result))
     return 0
 

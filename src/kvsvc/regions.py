@@ -280,7 +280,9 @@ class ShmRegion:
             return False
         return (st.st_dev, st.st_ino) == self.inode
 
-    def read(self, offset: int, dst: memoryview, dst_addr: int) -> None:
+    def read(self, offset: int, buf: memoryview, addr: int, a: int, b: int) -> None:
+        """Region bytes from ``offset`` into ``buf[a:b]``."""
+        dst = buf[a:b]
         done = 0
         while done < len(dst):
             n = os.preadv(self.fd, [dst[done:]], offset + done)
@@ -288,7 +290,9 @@ class ShmRegion:
                 raise self._truncated(offset + done)
             done += n
 
-    def write(self, offset: int, src: memoryview, src_addr: int) -> None:
+    def write(self, offset: int, buf: memoryview, addr: int, a: int, b: int) -> None:
+        """``buf[a:b]`` into the region at ``offset``."""
+        src = buf[a:b]
         done = 0
         while done < len(src):
             n = os.pwritev(self.fd, [src[done:]], offset + done)
@@ -339,11 +343,13 @@ class MemfdRegion:
         self.base = ctypes.addressof(self._anchor)
         self.size = need_bytes
 
-    def read(self, offset: int, dst: memoryview, dst_addr: int) -> None:
-        ctypes.memmove(dst_addr, self.base + offset, len(dst))
+    def read(self, offset: int, buf: memoryview, addr: int, a: int, b: int) -> None:
+        """Region bytes from ``offset`` into ``buf[a:b]`` (``buf`` is at ``addr``)."""
+        ctypes.memmove(addr + a, self.base + offset, b - a)
 
-    def write(self, offset: int, src: memoryview, src_addr: int) -> None:
-        ctypes.memmove(self.base + offset, src_addr, len(src))
+    def write(self, offset: int, buf: memoryview, addr: int, a: int, b: int) -> None:
+        """``buf[a:b]`` into the region at ``offset``."""
+        ctypes.memmove(self.base + offset, addr + a, b - a)
 
     def synchronize(self) -> None:
         """memcpy is synchronous; nothing is left in flight."""
@@ -572,20 +578,18 @@ class Mapping:
         right after the copy while they are still in cache. (On a Retrieve the blocks
         are written before the check: a mismatch fails the call with DATA_LOSS, so
         the engine never uses them.)"""
-        hasher = xxhash.xxh3_64()
+        ops = plan.ops
         i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
-        while i < len(plan.ops) and plan.ops[i][2] < hi:
-            region, off, pos, n = plan.ops[i]
+        while i < len(ops) and ops[i][2] < hi:
+            region, off, pos, n = ops[i]
             a, b = max(lo, pos), min(hi, pos + n)
             if a < b:
-                piece = buf[a:b]
                 if to_store:
-                    region.read(off + (a - pos), piece, addr + a)
+                    region.read(off + (a - pos), buf, addr, a, b)
                 else:
-                    region.write(off + (a - pos), piece, addr + a)
-                hasher.update(piece)
+                    region.write(off + (a - pos), buf, addr, a, b)
             i += 1
-        return hasher.intdigest()
+        return xxhash.xxh3_64_intdigest(buf[lo:hi])
 
     def copy_cuda(self, plan: CopyPlan, host: torch.Tensor, *, to_store: bool) -> None:
         """Copy a whole chunk between CUDA blocks and its bytes in the pinned store
