@@ -519,7 +519,7 @@ class Mapping:
                     return False
         return True
 
-    @property
+    @functools.cached_property
     def is_cuda(self) -> bool:
         return any(isinstance(r, CudaRegion) for rm in self.ranks for r in rm.regions.values())
 
@@ -557,16 +557,19 @@ class Mapping:
             return CopyPlan(block_ids, [], [])
         ops: list[tuple[HostRegion, int, int, int]] = []
         pos = 0
+        last: HostRegion | None = None
+        last_end = -1
         for rank in self.ranks:
             for t in rank.tensors:
                 region = rank.regions[t.handle_key]
-                assert isinstance(region, (ShmRegion, MemfdRegion))
+                assert not isinstance(region, CudaRegion)
                 for off, n in t.runs(block_ids):
-                    last = ops[-1] if ops else None
-                    if last is not None and last[0] is region and last[1] + last[3] == off:
-                        ops[-1] = (region, last[1], last[2], last[3] + n)
+                    if region is last and off == last_end:  # contiguous: extend the run
+                        r, o, p, m = ops[-1]
+                        ops[-1] = (r, o, p, m + n)
                     else:
                         ops.append((region, off, pos, n))
+                    last, last_end = region, off + n
                     pos += n
         return CopyPlan(block_ids, ops, [op[2] for op in ops])
 
