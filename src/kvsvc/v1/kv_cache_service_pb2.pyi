@@ -150,7 +150,7 @@ class SealedMemfdHandle(_message.Message):
     because the memfd carries F_SEAL_SHRINK, so it can never be truncated under
     the server's mapping. To get a token: connect a SOCK_SEQPACKET socket to
     GetServerInfoResult.fd_socket and send the fd with SCM_RIGHTS (the Python
-    client's register_memfd does this).
+    client's register_memfd and the Go client's RegisterMemfd do this).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
