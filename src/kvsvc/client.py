@@ -40,6 +40,7 @@ from kvsvc.errors import (
     from_grpc_error,
     from_remote_error,
 )
+from kvsvc.ids import new_request_id
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -126,25 +127,26 @@ class Leases:
 
 
 def _header() -> pb.RequestHeader:
-    return pb.RequestHeader(envelope_version=1, request_id=uuid.uuid4().hex)
+    return pb.RequestHeader(envelope_version=1, request_id=new_request_id())
 
 
 def _unwrap(response: Any) -> Any:
-    if response.WhichOneof("outcome") == "error":
+    outcome = response.WhichOneof("outcome")
+    if outcome == "result":
+        return response.result
+    if outcome == "error":
         raise from_remote_error(response.error)
-    if response.WhichOneof("outcome") is None:
-        raise KVServiceError(
-            f"{type(response).__name__} has neither result nor error (newer server?)",
-            reason="EMPTY_RESPONSE",
-        )
-    return response.result
+    raise KVServiceError(
+        f"{type(response).__name__} has neither result nor error (newer server?)",
+        reason="EMPTY_RESPONSE",
+    )
 
 
 def _chunks(chunks: BlockChunkList) -> list[pb.BlockChunk]:
     return [pb.BlockChunk(key=key, block_ids=list(ids)) for key, ids in chunks]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """One prepared call: what to send, how long to wait, how to interpret the reply."""
 
@@ -608,11 +610,14 @@ def _lookup_request(
 ) -> pb.LookupRequest:
     if (mapping is None) == (namespace is None):
         raise ValueError("lookup needs exactly one of mapping= or namespace=")
-    req = pb.LookupRequest(header=_header(), keys=list(keys))
     if mapping is not None:
-        req.mapping_id = mapping.mapping_id
+        req = pb.LookupRequest(mapping_id=mapping.mapping_id, keys=keys)
     else:
-        req.namespace = namespace  # type: ignore[assignment]
+        req = pb.LookupRequest(namespace=namespace or "", keys=keys)
+    # Filled in place: a RequestHeader passed to the constructor would be copied.
+    header = req.header
+    header.envelope_version = 1
+    header.request_id = new_request_id()
     return req
 
 
