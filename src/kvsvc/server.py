@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import signal
 import time
@@ -78,10 +79,14 @@ class Call:
 
 
 def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
-    """The one wrapper every RPC goes through: no exception leaves it, no request is dropped."""
+    """The one wrapper every RPC goes through: no exception leaves it, no request is dropped.
 
-    def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    A handler that never waits may be a plain function: it is called without the
+    coroutine an ``async def`` costs on every call."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         name = fn.__name__
+        is_async = inspect.iscoroutinefunction(fn)
 
         @functools.wraps(fn)
         async def handler(
@@ -115,7 +120,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                     )
                 if transfer:
                     self.health.check_serving()
-                result = await fn(self, request, call)
+                result = (await fn(self, request, call)) if is_async else fn(self, request, call)
                 # A handler may build its whole response (cheaper than copying a result in).
                 return result if type(result) is response_cls else response_cls(result=result)
             except asyncio.CancelledError:
@@ -535,8 +540,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     @rpc(pb.LookupResponse)
-    async def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
-        scope = self._oneof(request, "scope")
+    def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
+        scope = request.WhichOneof("scope") or self._oneof(request, "scope")
         keys = list(request.keys)
         if not all(keys):
             _check_keys(keys)  # raises for the first empty key
@@ -572,9 +577,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     @rpc(pb.GetServerInfoResponse)
-    async def GetServerInfo(
-        self, request: pb.GetServerInfoRequest, call: Call
-    ) -> pb.GetServerInfoResult:
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:
         result = pb.GetServerInfoResult(
             version=__version__,
             envelope_version=ENVELOPE_VERSION,
