@@ -245,27 +245,29 @@ class _Base:
             )
 
     def _after(self, plan: _Plan, response: Any) -> Any:
+        if plan.mapping is None:  # no lease to settle, no server start to compare
+            return _unwrap(response)
         try:
             result = _unwrap(response)
         except KVServiceError as exc:
             self._settle(plan, exc)
             raise
-        if plan.mapping is not None:
-            key = plan.mapping.lease_key
-            if plan.transfer:
-                self.leases.release(key, plan.request.header.request_id)
-            elif plan.method == "Fence":
-                for tid in plan.request.transfer_ids:
-                    self.leases.release(key, tid)
-            elif plan.method == "Unmap":  # the server fenced every copy of the mapping
-                self.leases.release_all(key, plan.mapping.server_start_id)
-            start = getattr(result, "server_start_id", "")
-            if start and start != plan.mapping.server_start_id:
-                raise MappingLost(
-                    f"server restarted (start id {start}, mapping made under "
-                    f"{plan.mapping.server_start_id})",
-                    metadata={"serverStartId": start, "mappingId": plan.mapping.mapping_id},
-                )
+        mapping = plan.mapping
+        key = mapping.lease_key
+        if plan.transfer:
+            self.leases.release(key, plan.request.header.request_id)
+        elif plan.method == "Fence":
+            for tid in plan.request.transfer_ids:
+                self.leases.release(key, tid)
+        elif plan.method == "Unmap":  # the server fenced every copy of the mapping
+            self.leases.release_all(key, mapping.server_start_id)
+        start = getattr(result, "server_start_id", "")
+        if start and start != mapping.server_start_id:
+            raise MappingLost(
+                f"server restarted (start id {start}, mapping made under "
+                f"{mapping.server_start_id})",
+                metadata={"serverStartId": start, "mappingId": mapping.mapping_id},
+            )
         return result
 
     def _transport_error(self, plan: _Plan, exc: grpc.RpcError) -> KVServiceError:
