@@ -58,7 +58,7 @@ from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
-HEX_ID = re.compile(r"^[0-9a-f]{32}$")  # the client's request ids (uuid4().hex)
+HEX_ID = re.compile(r"^[0-9a-f]{32}$")  # the client's request ids (kvsvc.ids)
 FP = "KVSVC_FAILPOINTS"
 
 
@@ -983,3 +983,22 @@ def test_threads_share_one_client(client: KVCacheClient) -> None:
     for t in threads:
         t.join(20)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_request_ids_are_unique_in_a_process_and_across_a_fork() -> None:
+    from kvsvc.ids import new_request_id
+
+    ids = [new_request_id() for _ in range(10_000)]
+    assert all(HEX_ID.match(i) for i in ids)
+    assert len(set(ids)) == len(ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's ids must not repeat the parent's
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert HEX_ID.match(child)
+    assert child[:16] != new_request_id()[:16]  # a fresh random prefix

@@ -42,6 +42,7 @@ from kvsvc.errors import (
     from_grpc_error,
     from_remote_error,
 )
+from kvsvc.ids import new_request_id
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -128,25 +129,26 @@ class Leases:
 
 
 def _header() -> pb.RequestHeader:
-    return pb.RequestHeader(envelope_version=1, request_id=uuid.uuid4().hex)
+    return pb.RequestHeader(envelope_version=1, request_id=new_request_id())
 
 
 def _unwrap(response: Any) -> Any:
-    if response.WhichOneof("outcome") == "error":
+    outcome = response.WhichOneof("outcome")
+    if outcome == "result":
+        return response.result
+    if outcome == "error":
         raise from_remote_error(response.error)
-    if response.WhichOneof("outcome") is None:
-        raise KVServiceError(
-            f"{type(response).__name__} has neither result nor error (newer server?)",
-            reason="EMPTY_RESPONSE",
-        )
-    return response.result
+    raise KVServiceError(
+        f"{type(response).__name__} has neither result nor error (newer server?)",
+        reason="EMPTY_RESPONSE",
+    )
 
 
 def _chunks(chunks: BlockChunkList) -> list[pb.BlockChunk]:
     return [pb.BlockChunk(key=key, block_ids=list(ids)) for key, ids in chunks]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """One prepared call: what to send, how long to wait, how to interpret the reply."""
 
@@ -245,27 +247,29 @@ class _Base:
             )
 
     def _after(self, plan: _Plan, response: Any) -> Any:
+        if plan.mapping is None:  # no lease to settle, no server start to compare
+            return _unwrap(response)
         try:
             result = _unwrap(response)
         except KVServiceError as exc:
             self._settle(plan, exc)
             raise
-        if plan.mapping is not None:
-            key = plan.mapping.lease_key
-            if plan.transfer:
-                self.leases.release(key, plan.request.header.request_id)
-            elif plan.method == "Fence":
-                for tid in plan.request.transfer_ids:
-                    self.leases.release(key, tid)
-            elif plan.method == "Unmap":  # the server fenced every copy of the mapping
-                self.leases.release_all(key, plan.mapping.server_start_id)
-            start = getattr(result, "server_start_id", "")
-            if start and start != plan.mapping.server_start_id:
-                raise MappingLost(
-                    f"server restarted (start id {start}, mapping made under "
-                    f"{plan.mapping.server_start_id})",
-                    metadata={"serverStartId": start, "mappingId": plan.mapping.mapping_id},
-                )
+        mapping = plan.mapping
+        key = mapping.lease_key
+        if plan.transfer:
+            self.leases.release(key, plan.request.header.request_id)
+        elif plan.method == "Fence":
+            for tid in plan.request.transfer_ids:
+                self.leases.release(key, tid)
+        elif plan.method == "Unmap":  # the server fenced every copy of the mapping
+            self.leases.release_all(key, mapping.server_start_id)
+        start = getattr(result, "server_start_id", "")
+        if start and start != mapping.server_start_id:
+            raise MappingLost(
+                f"server restarted (start id {start}, mapping made under "
+                f"{mapping.server_start_id})",
+                metadata={"serverStartId": start, "mappingId": mapping.mapping_id},
+            )
         return result
 
     def _transport_error(self, plan: _Plan, exc: grpc.RpcError) -> KVServiceError:
@@ -632,11 +636,14 @@ def _lookup_request(
 ) -> pb.LookupRequest:
     if (mapping is None) == (namespace is None):
         raise ValueError("lookup needs exactly one of mapping= or namespace=")
-    req = pb.LookupRequest(header=_header(), keys=list(keys))
     if mapping is not None:
-        req.mapping_id = mapping.mapping_id
+        req = pb.LookupRequest(mapping_id=mapping.mapping_id, keys=keys)
     else:
-        req.namespace = namespace  # type: ignore[assignment]
+        req = pb.LookupRequest(namespace=namespace or "", keys=keys)
+    # Filled in place: a RequestHeader passed to the constructor would be copied.
+    header = req.header
+    header.envelope_version = 1
+    header.request_id = new_request_id()
     return req
 
 

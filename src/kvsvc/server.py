@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from time import monotonic
 from typing import Any, TypeVar
 
 import grpc
@@ -39,6 +40,7 @@ from kvsvc.errors import (
     to_remote_error,
 )
 from kvsvc.health import Health, Watchdog
+from kvsvc.ids import new_request_id
 from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import (
@@ -64,39 +66,45 @@ PARALLEL_MIN_BYTES = 4 << 20
 STOP_GRACE_S = 0.5
 
 
-@dataclass
 class Call:
     """Per-request state the wrapper reads when it builds an error."""
 
-    request_id: str
-    deadline: float  # monotonic; the client's, or the default for calls without one
-    transfer: bool
-    started: bool = False
+    __slots__ = ("deadline", "request_id", "started", "transfer")
+
+    def __init__(self, request_id: str, deadline: float, transfer: bool) -> None:
+        self.request_id = request_id
+        #: monotonic; the client's, or the default for calls without one
+        self.deadline = deadline
+        self.transfer = transfer
+        self.started = False
 
 
 def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
-    """The one wrapper every RPC goes through: no exception leaves it, no request is dropped."""
+    """The one wrapper every RPC goes through: no exception leaves it, no request is dropped.
 
-    def decorate(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    A handler that never waits may be a plain function: it is called without the
+    coroutine an ``async def`` costs on every call."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         name = fn.__name__
+        is_async = inspect.iscoroutinefunction(fn)
 
         @functools.wraps(fn)
         async def handler(
             self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
             header = request.header
+            request_id = header.request_id or new_request_id()
             # A call without a deadline gets the default one: no wait here is unbounded.
             remaining = context.time_remaining()
-            if remaining is None:
-                remaining = DEFAULT_TRANSFER_DEADLINE_S
+            started = monotonic()  # one clock for the deadline and the latency metric
             call = Call(
-                request_id=header.request_id or uuid.uuid4().hex,
-                deadline=time.monotonic() + remaining,
-                transfer=transfer,
+                request_id,
+                started + (DEFAULT_TRANSFER_DEADLINE_S if remaining is None else remaining),
+                transfer,
             )
-            started = time.perf_counter()
             outcome = "result"
-            token = REQUEST_ID.set(call.request_id)
+            token = REQUEST_ID.set(request_id)
             try:
                 if failpoints.ENABLED:
                     failpoints.hit("loop.stall", name)
@@ -113,8 +121,9 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                     )
                 if transfer:
                     self.health.check_serving()
-                result = await fn(self, request, call)
-                return response_cls(result=result)
+                result = (await fn(self, request, call)) if is_async else fn(self, request, call)
+                # A handler may build its whole response (cheaper than copying a result in).
+                return result if type(result) is response_cls else response_cls(result=result)
             except asyncio.CancelledError:
                 # The client cancelled or its deadline passed: nobody reads a reply.
                 outcome = "CANCELLED"
@@ -126,7 +135,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 return response
             finally:
                 REQUEST_ID.reset(token)
-                self.metrics.observe_request(name, outcome, time.perf_counter() - started)
+                self.metrics.observe_request(name, outcome, monotonic() - started)
 
         return handler
 
@@ -549,16 +558,21 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     @rpc(pb.LookupResponse)
-    async def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResult:
-        scope = self._oneof(request, "scope")
+    def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
+        scope = request.WhichOneof("scope") or self._oneof(request, "scope")
         keys = list(request.keys)
-        _check_keys(keys)
+        if not all(keys):
+            _check_keys(keys)  # raises for the first empty key
         if scope == "mapping_id":
             mapping = self._mapping(request.mapping_id)
             hits = self.store.lookup(mapping.namespace, keys, mapping.fingerprint)
         else:
             hits = self.store.lookup(request.namespace, keys, None)
-        return pb.LookupResult(hit_chunks=hits, server_start_id=self.start_id)
+        response = pb.LookupResponse()
+        result = response.result  # set in place: a LookupResult passed in would be copied
+        result.hit_chunks = hits
+        result.server_start_id = self.start_id
+        return response
 
     @rpc(pb.FenceResponse)
     async def Fence(self, request: pb.FenceRequest, call: Call) -> pb.FenceResult:
@@ -581,9 +595,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     @rpc(pb.GetServerInfoResponse)
-    async def GetServerInfo(
-        self, request: pb.GetServerInfoRequest, call: Call
-    ) -> pb.GetServerInfoResult:
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:
         result = pb.GetServerInfoResult(
             version=__version__,
             envelope_version=ENVELOPE_VERSION,

@@ -90,10 +90,12 @@ class ChunkStore:
 
     def lookup(self, namespace: str, keys: list[bytes], layout: str | None) -> int:
         """Leading keys present (in ``layout`` when given)."""
-        hits = 0
-        for key in keys:
-            chunk = self.get(namespace, key)
-            if chunk is None or (layout is not None and chunk.layout != layout):
+        chunks, hits = self._chunks, 0
+        for key in keys:  # get() inlined: this runs on every Lookup
+            chunk = chunks.get((namespace, key))
+            if chunk is None or not chunk.committed:
+                break
+            if layout is not None and chunk.layout != layout:
                 break
             hits += 1
         return hits
