@@ -68,34 +68,3 @@ def test_metrics_show_exact_counts(make_server, shm_dir) -> None:
     assert v("kvsvc_inflight_transfers") == 0
     assert v("kvsvc_serving") == 1
     assert v("kvsvc_seconds_since_last_fatal") == -1
-
-
-def test_request_series_expose_like_prometheus_client() -> None:
-    """The lock-free request counter and histogram read exactly like the
-    prometheus-client Counter and Histogram they stand in for."""
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
-    from kvsvc.metrics import _LATENCY_BUCKETS, LoopCounter, LoopHistogram
-
-    ours, theirs = CollectorRegistry(), CollectorRegistry()
-    counter = LoopCounter("x_requests", "doc", ("rpc", "outcome"))
-    hist = LoopHistogram("x_seconds", "doc", ("rpc",), _LATENCY_BUCKETS)
-    ours.register(counter)
-    ours.register(hist)
-    ref_counter = Counter("x_requests", "doc", ["rpc", "outcome"], registry=theirs)
-    ref_hist = Histogram("x_seconds", "doc", ["rpc"], buckets=_LATENCY_BUCKETS, registry=theirs)
-    # on a bound, between bounds, past the last one, zero
-    for rpc, outcome, s in [("A", "result", 0.0001), ("A", "result", 0.0003), ("A", "E", 45.0),
-                            ("B", "result", 30.0), ("B", "result", 0.0)]:  # fmt: skip
-        counter.labels(rpc, outcome).inc()
-        ref_counter.labels(rpc, outcome).inc()
-        hist.labels(rpc).observe(s)
-        ref_hist.labels(rpc).observe(s)
-
-    def text(registry: CollectorRegistry) -> list[str]:
-        lines = generate_latest(registry).decode().splitlines()
-        return sorted(line for line in lines if "_created" not in line)
-
-    assert text(ours) == text(theirs)
-    created = [line for line in generate_latest(ours).decode().splitlines() if "_created{" in line]
-    assert len(created) == 5  # 3 counter series, 2 histogram series
