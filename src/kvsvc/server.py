@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -403,16 +404,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         for ci, (chunk, src) in enumerate(todo):
             dst = self.store.chunk_view(chunk)
             if kind == "blocks":
-                pieces.extend(
-                    _block_pieces(
-                        mapping,
-                        mapping.plan(src),
-                        dst,
-                        ci,
-                        to_store=True,
-                        host=self.store.chunk_tensor(chunk),
-                    )
-                )
+                pieces.extend(_block_pieces(mapping, src, self.store, chunk, ci, to_store=True))
             else:
                 pieces.extend(_inline_store_pieces(src, dst, ci))
         stored = 0
@@ -523,18 +515,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         for ci, chunk in enumerate(chunks):
             src = self.store.chunk_view(chunk)
             if kind == "blocks":
-                plan = mapping.plan(targets[ci])
                 pieces.extend(
-                    _block_pieces(
-                        mapping,
-                        plan,
-                        src,
-                        ci,
-                        to_store=False,
-                        verify=chunk,
-                        store=self.store,
-                        host=self.store.chunk_tensor(chunk),
-                    )
+                    _block_pieces(mapping, targets[ci], self.store, chunk, ci, to_store=False)
                 )
             else:
                 outputs.append(bytearray(chunk.size))
@@ -623,21 +605,32 @@ Piece = Callable[[], list[Digest]]
 
 def _block_pieces(
     mapping: Mapping,
-    plan: CopyPlan,
-    buf: memoryview,
+    block_ids: list[int],
+    store: ChunkStore,
+    chunk: Chunk,
     ci: int,
     *,
     to_store: bool,
-    verify: Chunk | None = None,
-    store: ChunkStore | None = None,
-    host: torch.Tensor | None = None,
 ) -> list[Piece]:
-    """One piece per checksum segment of a chunk (one per chunk on CUDA)."""
-    segs = segments(len(buf))
+    """One piece per checksum segment of a chunk (one per chunk on CUDA). A Retrieve
+    verifies each segment against ``chunk``'s checksums; a Store returns them. The
+    copy plan is made by the first piece that runs, on a copy thread, so the event
+    loop only validates and reserves, and planning overlaps other chunks' copies."""
+    buf = store.chunk_view(chunk)
+    segs = segments(chunk.size)
+    made: list[CopyPlan] = []
+    lock = threading.Lock()
+
+    def plan() -> CopyPlan:
+        if not made:
+            with lock:
+                if not made:
+                    made.append(mapping.plan(block_ids))
+        return made[0]
 
     def check(si: int, digest: int) -> list[Digest]:
-        if verify is not None and store is not None:
-            store.verify(verify, si, digest)
+        if not to_store:
+            store.verify(chunk, si, digest)
             return []
         return [(ci, si, digest)]
 
@@ -648,8 +641,7 @@ def _block_pieces(
             if not to_store:  # verify before the bytes reach the engine's blocks
                 for si, (lo, hi) in enumerate(segs):
                     out += check(si, checksum(buf[lo:hi]))
-            assert host is not None
-            mapping.copy_cuda(plan, host, to_store=to_store)
+            mapping.copy_cuda(plan(), store.chunk_tensor(chunk), to_store=to_store)
             if to_store:
                 for si, (lo, hi) in enumerate(segs):
                     out += check(si, checksum(buf[lo:hi]))
@@ -657,11 +649,10 @@ def _block_pieces(
 
         return [cuda_piece]
 
-    assert host is not None
-    addr = host.data_ptr()
+    addr = store.address(chunk)
 
     def piece(si: int, lo: int, hi: int) -> Piece:
-        return lambda: check(si, mapping.copy_range(plan, buf, addr, lo, hi, to_store=to_store))
+        return lambda: check(si, mapping.copy_range(plan(), buf, addr, lo, hi, to_store=to_store))
 
     return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segs)]
 

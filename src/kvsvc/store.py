@@ -71,6 +71,7 @@ class ChunkStore:
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
             if prefault:
                 self.tensor.fill_(0)
+        self.base = self.tensor.data_ptr()
         self.view = memoryview(
             (ctypes.c_char * self.capacity).from_address(self.tensor.data_ptr())
         ).cast("B")
@@ -126,6 +127,10 @@ class ChunkStore:
 
     def chunk_view(self, chunk: Chunk) -> memoryview:
         return self.view[chunk.offset : chunk.offset + chunk.size]
+
+    def address(self, chunk: Chunk) -> int:
+        """Where the chunk's bytes start in memory, for memcpy."""
+        return self.base + chunk.offset
 
     def chunk_tensor(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's bytes as a slice of the (pinned, on CUDA hosts) store tensor."""
