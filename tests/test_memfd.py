@@ -194,9 +194,11 @@ def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
         with pytest.raises(CapacityExhausted) as e:
             fdpass.send_fd(broker.path, fds[2])
         assert e.value.reason == "FD_TOKENS_EXHAUSTED"
-        dup, size = broker.open(tokens[0])
+        dup, size, owner = broker.open(tokens[0])
         os.close(dup)
         assert size == 4096
+        assert owner >= 0 and not fdpass.exited(owner)  # this process passed it
+        os.close(owner)
         time.sleep(0.4)
         with pytest.raises(InvalidRequest):
             broker.open(tokens[0])
@@ -257,3 +259,57 @@ def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
 
     with pytest.raises(OSError):  # a path the operator chose must work
         asyncio.run(make())
+
+
+OWNER = """
+import os, sys
+from kvsvc import fdpass
+fd = fdpass.make_sealed_memfd("owned", 4096)
+os.pwrite(fd, bytes(range(256)) * 16, 0)
+print(fdpass.send_fd(sys.argv[1], fd), flush=True)
+sys.stdin.readline()  # exit when told
+"""
+
+
+def test_a_memfd_mapping_is_released_once_its_owner_exits(server, client, shm_dir) -> None:
+    """A dead engine's memory must not stay alive in the server's mapping: once the
+    process that passed the memfd has exited, the next Map releases its mapping,
+    as it does for a deleted shm file."""
+    import subprocess
+    import sys
+
+    from kvsvc.errors import MappingLost
+
+    path = client.server_info().fd_socket
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        token = owner.stdout.readline().decode().strip()
+
+        def region(tok: str) -> pb.RankRegion:
+            return pb.RankRegion(
+                tensors=[
+                    pb.KVTensor(
+                        handle=pb.MemoryHandle(
+                            sealed_memfd=pb.SealedMemfdHandle(token=tok, size_bytes=4096)
+                        ),
+                        shape=[4, 1024],
+                        strides=[1024, 1],
+                        dtype=pb.DTYPE_UINT8,
+                    )
+                ]
+            )
+
+        m = client.map("ns", [region(token)])
+        client.store(m, [(b"k", [1])])
+        other = make_cache(shm_dir, "other")
+        client.map("ns", [other.rank_region()])  # owner alive: the mapping stays
+        client.store(m, [(b"k2", [2])])
+    finally:
+        owner.communicate(b"\n", timeout=30)
+    assert owner.returncode == 0
+    client.map("ns", [make_cache(shm_dir, "third").rank_region()])
+    with pytest.raises(MappingLost):
+        client.store(m, [(b"k3", [3])])
+    assert server.server.servicer.mappings.keys().isdisjoint({m.mapping_id})

@@ -8,6 +8,10 @@ server could open, so the client passes the fd itself: it connects to the
 server's fd socket (SOCK_SEQPACKET), sends ``MAGIC`` with the fd, and gets back a
 token that a Map names in a ``SealedMemfdHandle``. The server keeps the fd for
 ``FD_TOKEN_TTL_S``, so a failed Map can be retried and ranks can share one fd.
+The process that passed the fd owns it: the server holds a pidfd of it, and once
+it has exited, a mapping of its memfd is released at the next Map, as one of a
+deleted shm file is (else the server's mapping would keep a dead engine's KV
+memory alive).
 
 Replies: ``b"\\0" + token`` or ``b"\\1" + RemoteError`` (the one error contract).
 """
@@ -19,6 +23,7 @@ import fcntl
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
@@ -102,7 +107,8 @@ class FdBroker:
         self.ttl = ttl
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._fds: dict[str, tuple[int, int, float]] = {}  # token -> (fd, size, expiry)
+        # token -> (fd, size, expiry, pidfd of the passing process or -1)
+        self._fds: dict[str, tuple[int, int, float, int]] = {}
         self._stop = threading.Event()
         if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)  # a socket left by a server that died
@@ -120,8 +126,9 @@ class FdBroker:
     def start(self) -> None:
         self._thread.start()
 
-    def open(self, token: str) -> tuple[int, int]:
-        """A new fd for ``token``'s memfd (the caller closes it) and its size."""
+    def open(self, token: str) -> tuple[int, int, int]:
+        """New fds for ``token``'s memfd and its owner's pidfd (-1: owner unknown;
+        the caller closes both), and the memfd's size."""
         with self._lock:
             self._expire()
             entry = self._fds.get(token)
@@ -132,7 +139,8 @@ class FdBroker:
                     reason="FD_TOKEN_UNKNOWN",
                     metadata={"token": token[:12]},
                 )
-            return os.dup(entry[0]), entry[1]
+            fd, size, _, pidfd = entry
+            return os.dup(fd), size, os.dup(pidfd) if pidfd >= 0 else -1
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -145,17 +153,18 @@ class FdBroker:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with self._lock:
-            for fd, _, _ in self._fds.values():
-                os.close(fd)
+            for fd, _, _, pidfd in self._fds.values():
+                _close(fd, pidfd)
             self._fds.clear()
 
     # --- the socket thread ---
     def _expire(self) -> None:
         now = time.monotonic()
-        for token in [t for t, (_, _, exp) in self._fds.items() if exp <= now]:
-            os.close(self._fds.pop(token)[0])
+        for token in [t for t, (_, _, exp, _) in self._fds.items() if exp <= now]:
+            fd, _, _, pidfd = self._fds.pop(token)
+            _close(fd, pidfd)
 
-    def _register(self, fd: int) -> str:
+    def _register(self, fd: int, pid: int) -> str:
         size = check_sealed(fd)
         with self._lock:
             self._expire()
@@ -166,7 +175,7 @@ class FdBroker:
                     reason="FD_TOKENS_EXHAUSTED",
                 )
             token = secrets.token_hex(16)
-            self._fds[token] = (fd, size, time.monotonic() + self.ttl)
+            self._fds[token] = (fd, size, time.monotonic() + self.ttl, _pidfd(pid))
         return token
 
     def _serve(self) -> None:
@@ -201,7 +210,7 @@ class FdBroker:
                     f"(got {len(fds)} fds and {len(msg)} bytes)",
                     reason="FD_PASS_MALFORMED",
                 )
-            token = self._register(fds[0])
+            token = self._register(fds[0], pid)
             kept = True
             log.info("fd from pid %d held as memfd token %s…", pid, token[:8])
             conn.sendall(b"\0" + token.encode())
@@ -211,6 +220,28 @@ class FdBroker:
         finally:
             for fd in fds if not kept else fds[1:]:
                 os.close(fd)
+
+
+def _pidfd(pid: int) -> int:
+    """A pidfd of ``pid``, or -1 where it cannot be had (a peer in another pid
+    namespace shows as pid 0; it may also have exited already)."""
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited (its pidfd is readable)."""
+    return pidfd >= 0 and bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
 
 
 def send_fd(path: str, fd: int, timeout: float = FD_EXCHANGE_TIMEOUT_S) -> str:

@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from kvsvc.errors import InvalidRequest, RegionUnavailable
-from kvsvc.fdpass import FdBroker
+from kvsvc.fdpass import FdBroker, exited
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 DTYPES: dict[int, torch.dtype] = {
@@ -328,7 +328,7 @@ class MemfdRegion:
                 "this server runs with --fd-socket off: sealed memfd handles are refused",
                 reason="FD_PASSING_DISABLED",
             )
-        fd, size = fds.open(token)
+        fd, size, self.owner = fds.open(token)
         try:
             if size < need_bytes:
                 raise InvalidRequest(
@@ -337,6 +337,10 @@ class MemfdRegion:
                     metadata={"token": token[:12], "sizeBytes": size, "needBytes": need_bytes},
                 )
             self.mm = mmap.mmap(fd, need_bytes)
+        except BaseException:
+            if self.owner >= 0:
+                os.close(self.owner)
+            raise
         finally:
             os.close(fd)  # the mapping keeps the memfd alive
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self.mm)
@@ -351,12 +355,19 @@ class MemfdRegion:
         """``buf[a:b]`` into the region at ``offset``."""
         ctypes.memmove(self.base + offset, addr + a, b - a)
 
+    def is_current(self) -> bool:
+        """False once the process that passed the memfd has exited."""
+        return not exited(self.owner)
+
     def synchronize(self) -> None:
         """memcpy is synchronous; nothing is left in flight."""
 
     def close(self) -> None:
         self._anchor = None
         self.mm.close()
+        if self.owner >= 0:
+            os.close(self.owner)
+            self.owner = -1
 
 
 def cuda_device_for_uuid(uuid: str) -> int:
@@ -512,10 +523,11 @@ class Mapping:
 
     def is_current(self) -> bool:
         """Every shm region's name still names the file we hold open (a restarted
-        client may have made a new file under the same name)."""
+        client may have made a new file under the same name), and every memfd's
+        owner is still running."""
         for rank in self.ranks:
             for region in rank.regions.values():
-                if isinstance(region, ShmRegion) and not region.is_current():
+                if isinstance(region, (ShmRegion, MemfdRegion)) and not region.is_current():
                     return False
         return True
 

@@ -150,7 +150,9 @@ class SealedMemfdHandle(_message.Message):
     because the memfd carries F_SEAL_SHRINK, so it can never be truncated under
     the server's mapping. To get a token: connect a SOCK_SEQPACKET socket to
     GetServerInfoResult.fd_socket and send the fd with SCM_RIGHTS (the Python
-    client's register_memfd and the Go client's RegisterMemfd do this).
+    client's register_memfd and the Go client's RegisterMemfd do this). The
+    process that passed the fd owns it: once that process has exited, the
+    server releases mappings of the memfd at the next Map.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -293,7 +293,9 @@ func (x *SharedMemoryHandle) GetSizeBytes() uint64 {
 // because the memfd carries F_SEAL_SHRINK, so it can never be truncated under
 // the server's mapping. To get a token: connect a SOCK_SEQPACKET socket to
 // GetServerInfoResult.fd_socket and send the fd with SCM_RIGHTS (the Python
-// client's register_memfd and the Go client's RegisterMemfd do this).
+// client's register_memfd and the Go client's RegisterMemfd do this). The
+// process that passed the fd owns it: once that process has exited, the
+// server releases mappings of the memfd at the next Map.
 type SealedMemfdHandle struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
