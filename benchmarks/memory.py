@@ -4,9 +4,9 @@ through shared memory, and after eviction churn (twice the capacity more);
 then RSS drift over a bounded soak of mixed traffic (2 minutes by default,
 20 s with --quick).
 
-The store touches its memory up front (an anonymous shared mapping, counted in
-RssShmem), so RSS is about the capacity from the start; what matters is what
-comes on top of it and whether that grows.
+The store touches its memory up front (a private anonymous mapping with huge
+pages, counted in RssAnon), so RSS is about the capacity from the start; what
+matters is what comes on top of it and whether that grows.
 
     python -m benchmarks.memory [--quick] [--soak-seconds S]
 """
