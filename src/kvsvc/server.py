@@ -323,6 +323,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Open one rank, retrying a region that is not ready until the deadline."""
         handles = cuda_handles_of(rank)
         while True:
+            attempt = time.monotonic()
             try:
                 return await asyncio.to_thread(
                     open_rank, rank, index, self.config.shm_dir, handles, self.fds
@@ -331,7 +332,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 last = exc
                 if isinstance(exc, RegionUnavailable) and exc.reason == "DEVICE_NOT_FOUND":
                     raise
-            if reply_budget(call.deadline) <= MAP_RETRY_S:
+            # Another attempt must fit too: on a loaded host one can take long
+            # enough to push the error reply past the client's deadline.
+            if reply_budget(call.deadline) <= MAP_RETRY_S + 2 * (time.monotonic() - attempt):
                 cause = last.message if isinstance(last, KVServiceError) else str(last)
                 raise DeadlineExceeded(
                     f"region not ready before the deadline; last error: {cause}",
