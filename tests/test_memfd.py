@@ -31,6 +31,23 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     )
 
 
+def memfd_region(token: str, size: int = 4096) -> pb.RankRegion:
+    """One uint8 tensor of 4 blocks of 1 KiB on a sealed memfd handle."""
+    return pb.RankRegion(
+        context=rank_context(),
+        tensors=[
+            pb.KVTensor(
+                handle=pb.MemoryHandle(
+                    sealed_memfd=pb.SealedMemfdHandle(token=token, size_bytes=size)
+                ),
+                shape=[4, 1024],
+                strides=[1024, 1],
+                dtype=pb.DTYPE_UINT8,
+            )
+        ],
+    )
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_memfd_round_trip_tp2_is_bit_exact(client, shm_dir, layout) -> None:
     src = [make_cache(shm_dir, f"src{r}", layout=layout, seed=r, memfd=True) for r in range(2)]
@@ -129,30 +146,15 @@ def test_unknown_token_and_oversized_handle_fail_fast(client) -> None:
     finally:
         os.close(fd)  # the server holds its own copy until the token expires
 
-    def region(token: str, size: int) -> pb.RankRegion:
-        return pb.RankRegion(
-            context=rank_context(),
-            tensors=[
-                pb.KVTensor(
-                    handle=pb.MemoryHandle(
-                        sealed_memfd=pb.SealedMemfdHandle(token=token, size_bytes=size)
-                    ),
-                    shape=[4, 1024],
-                    strides=[1024, 1],
-                    dtype=pb.DTYPE_UINT8,
-                )
-            ],
-        )
-
     started = time.monotonic()
     with pytest.raises(InvalidRequest) as e:
-        client.map("ns", [region("f" * 32, 4096)], timeout=10)
+        client.map("ns", [memfd_region("f" * 32)], timeout=10)
     assert e.value.reason == "FD_TOKEN_UNKNOWN"
     with pytest.raises(InvalidRequest) as e:
-        client.map("ns", [region(token, 8192)], timeout=10)
+        client.map("ns", [memfd_region(token, 8192)], timeout=10)
     assert e.value.reason == "REGION_TOO_SMALL"
     assert time.monotonic() - started < 5  # not retried until the deadline
-    assert client.map("ns", [region(token, 4096)]).num_blocks == 4
+    assert client.map("ns", [memfd_region(token)]).num_blocks == 4
 
 
 def test_server_without_fd_socket_says_so(make_server, shm_dir) -> None:
@@ -168,20 +170,8 @@ def test_server_without_fd_socket_says_so(make_server, shm_dir) -> None:
         finally:
             os.close(fd)
         assert e.value.reason == "FD_PASSING_DISABLED"
-        region = pb.RankRegion(
-            tensors=[
-                pb.KVTensor(
-                    handle=pb.MemoryHandle(
-                        sealed_memfd=pb.SealedMemfdHandle(token="t", size_bytes=4096)
-                    ),
-                    shape=[4, 1024],
-                    strides=[1024, 1],
-                    dtype=pb.DTYPE_UINT8,
-                )
-            ]
-        )
         with pytest.raises(InvalidRequest) as e2:
-            c.map("ns", [region])
+            c.map("ns", [memfd_region("t")])
         assert e2.value.reason == "FD_PASSING_DISABLED"
 
 
@@ -287,21 +277,7 @@ def test_a_memfd_mapping_is_released_once_its_owner_exits(server, client, shm_di
     try:
         token = owner.stdout.readline().decode().strip()
 
-        def region(tok: str) -> pb.RankRegion:
-            return pb.RankRegion(
-                tensors=[
-                    pb.KVTensor(
-                        handle=pb.MemoryHandle(
-                            sealed_memfd=pb.SealedMemfdHandle(token=tok, size_bytes=4096)
-                        ),
-                        shape=[4, 1024],
-                        strides=[1024, 1],
-                        dtype=pb.DTYPE_UINT8,
-                    )
-                ]
-            )
-
-        m = client.map("ns", [region(token)])
+        m = client.map("ns", [memfd_region(token)])
         client.store(m, [(b"k", [1])])
         other = make_cache(shm_dir, "other")
         client.map("ns", [other.rank_region()])  # owner alive: the mapping stays
