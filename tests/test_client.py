@@ -54,6 +54,7 @@ from kvsvc.errors import (
     from_remote_error,
 )
 from kvsvc.kvcache import SharedKVCache
+from kvsvc.store import INLINE_LAYOUT, meta_bytes
 from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
@@ -215,25 +216,20 @@ def test_unsupported_request_newer_envelope(server) -> None:
 
 
 def test_layout_mismatch(client: KVCacheClient, shm_dir: Path) -> None:
-    bf = make_cache(shm_dir, "bf", torch.bfloat16)
-    fp = make_cache(shm_dir, "fp", torch.float16)
-    m_bf, m_fp = client.map("ns", [bf.rank_region()]), client.map("ns", [fp.rank_region()])
-    client.store(m_bf, [(b"k", [0])])
+    cache = make_cache(shm_dir, "bf", torch.bfloat16)
+    m = client.map("ns", [cache.rank_region()])
+    client.store(m, [(b"k", [0, 1])])
     with pytest.raises(LayoutMismatch) as ei:
-        client.retrieve(m_fp, [(b"k", [1])])
+        client.retrieve(m, [(b"k", [5])])  # the chunk holds 2 blocks
     check_fields(
         ei.value,
         LayoutMismatch,
         code=grpc.StatusCode.FAILED_PRECONDITION,
-        reason="LAYOUT_MISMATCH",
-        metadata={
-            "key": b"k".hex(),
-            "storedLayout": m_bf.layout_fingerprint,
-            "layout": m_fp.layout_fingerprint,
-        },
+        reason="BLOCK_COUNT_MISMATCH",
+        metadata={"chunkIndex": "0", "listedBlocks": "1"},
         transfer_state=NOT_STARTED,
     )
-    assert client.leased_blocks(m_fp) == set()
+    assert client.leased_blocks(m) == set()
 
 
 def test_mapping_lost_and_not_found(server, client: KVCacheClient, shm_dir: Path) -> None:
@@ -301,8 +297,11 @@ def test_capacity_exhausted_for_a_chunk_larger_than_the_store(make_server) -> No
             ei.value,
             CapacityExhausted,
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
-            reason="CAPACITY_EXHAUSTED",
-            metadata={"chunkBytes": str(2 << 20), "capacityBytes": str(1 << 20)},
+            reason="REQUEST_EXCEEDS_CAPACITY",
+            metadata={
+                "requestBytes": str((2 << 20) + meta_bytes("ns", b"huge", 2 << 20)),
+                "capacityBytes": str(1 << 20),
+            },
             transfer_state=NOT_STARTED,
         )
         assert c.server_info().used_bytes == 0  # nothing was reserved
@@ -442,7 +441,7 @@ def test_data_loss_on_a_corrupted_chunk_stops_serving(server, client: KVCacheCli
     data = os.urandom(10_000)
     client.put("ns", [(b"k", data)])
     store = server.server.servicer.store
-    chunk = store.get("ns", b"k")
+    chunk = store.get("ns", b"k", INLINE_LAYOUT)
     assert chunk is not None
     store.view[chunk.offset + 1234] ^= 0xFF
     with pytest.raises(DataLoss) as ei:

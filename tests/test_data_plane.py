@@ -16,7 +16,6 @@ from kvsvc.client import KVCacheClient
 from kvsvc.errors import (
     DeadlineExceeded,
     InvalidRequest,
-    LayoutMismatch,
     MappingLost,
     RegionUnavailable,
     TransferUnprovable,
@@ -75,17 +74,29 @@ def test_retrieve_with_a_miss_loads_only_the_prefix(client, shm_dir) -> None:
             assert torch.equal(layer.select(1, b), sentinel.select(1, b))
 
 
-def test_layout_mismatch_is_an_error_not_corrupt_data(client, shm_dir) -> None:
-    bf = make_cache(shm_dir, "bf", torch.bfloat16)
-    fp = make_cache(shm_dir, "fp", torch.float16)
+def test_another_layout_is_a_miss_not_corrupt_data(client, shm_dir) -> None:
+    """Presence is per (namespace, key, layout): a chunk stored in bf16 is a miss
+    for an fp16 mapping (never its bytes), and the fp16 one can be stored beside it."""
+    bf = make_cache(shm_dir, "bf", torch.bfloat16, seed=1)
+    fp = make_cache(shm_dir, "fp", torch.float16, seed=2)
     m_bf, m_fp = client.map("ns", [bf.rank_region()]), client.map("ns", [fp.rank_region()])
     client.store(m_bf, [(b"k", [0])])
     assert client.lookup([b"k"], mapping=m_fp) == 0
     assert client.lookup([b"k"], namespace="ns") == 1
-    with pytest.raises(LayoutMismatch) as ei:
-        client.retrieve(m_fp, [(b"k", [0])])
-    assert ei.value.reason == "LAYOUT_MISMATCH"
+    before = [layer.clone() for layer in fp.layers]
+    assert client.retrieve(m_fp, [(b"k", [3])]).loaded_chunks == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, fp.layers, strict=True))
     assert client.leased_blocks(m_fp) == set()
+    # The fp16 chunk of the same key is stored, not skipped as "present".
+    r = client.store(m_fp, [(b"k", [1])])
+    assert (r.stored_chunks, r.present_chunks) == (1, 0)
+    assert client.lookup([b"k"], mapping=m_fp) == 1
+    assert client.retrieve(m_fp, [(b"k", [3])]).loaded_chunks == 1
+    assert client.retrieve(m_bf, [(b"k", [3])]).loaded_chunks == 1
+    for layer in fp.layers:
+        assert torch.equal(layer.select(1, 3), layer.select(1, 1))
+    for layer in bf.layers:
+        assert torch.equal(layer.select(1, 3), layer.select(1, 0))
 
 
 def test_map_is_all_or_none_and_names_the_failing_rank(server, client, shm_dir) -> None:

@@ -18,6 +18,11 @@ GiB = 1 << 30
 # 4 MiB gRPC default must never be the silent ceiling.
 MAX_MESSAGE_BYTES = 256 * MiB
 
+# Chunk keys are hashes and namespaces name a model + layout + tenant: both are
+# short. Bounding them keeps what one chunk costs the server near its bytes.
+MAX_KEY_BYTES = 1024
+MAX_NAMESPACE_BYTES = 1024
+
 # Keepalive: the client pings no more often than the server permits, so no
 # GOAWAY "too_many_pings".
 KEEPALIVE_TIME_MS = 30_000

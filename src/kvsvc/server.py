@@ -23,7 +23,13 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, failpoints, fdpass
-from kvsvc.config import DEFAULT_TRANSFER_DEADLINE_S, ServerConfig, server_options
+from kvsvc.config import (
+    DEFAULT_TRANSFER_DEADLINE_S,
+    MAX_KEY_BYTES,
+    MAX_NAMESPACE_BYTES,
+    ServerConfig,
+    server_options,
+)
 from kvsvc.errors import (
     ENVELOPE_VERSION,
     FINISHED,
@@ -233,8 +239,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     # --- RPCs ---
     @rpc(pb.MapResponse)
     async def Map(self, request: pb.MapRequest, call: Call) -> pb.MapResult:
-        if not request.namespace:
-            raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+        _check_namespace(request.namespace)
         if not request.ranks:
             raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
         descriptor = _ranks_descriptor(request)
@@ -380,28 +385,27 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             sizes = [len(ids) * mapping.block_bytes for _, ids in items]
         else:
             namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
-            if not namespace:
-                raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
             items = [(c.key, c.data) for c in request.inline.chunks]  # type: ignore[misc]
             sizes = [len(c.data) for c in request.inline.chunks]
         _check_keys([k for k, _ in items])
+        _check_namespace(namespace)
         failpoints.hit("store.put")
-        todo: list[tuple[Chunk, Any]] = []
-        present = evicted = 0
-        try:  # until the transfer owns them, reserved chunks are freed here
-            for (key, src), size in zip(items, sizes, strict=True):
-                if self.store.get(namespace, key) is not None or any(
-                    c.key == (namespace, key) for c, _ in todo
-                ):
-                    present += 1
-                    continue
-                chunk, n = self.store.reserve(namespace, key, size, layout)
-                todo.append((chunk, src))
-                evicted += n
-        except BaseException:
-            for chunk, _ in todo:
-                self.store.abort(chunk)
-            raise
+        present = 0
+        wanted: dict[bytes, tuple[Any, int]] = {}  # key -> (source, size), first one wins
+        for (key, src), size in zip(items, sizes, strict=True):
+            if key in wanted or self.store.get(namespace, key, layout) is not None:
+                present += 1
+            else:
+                wanted[key] = (src, size)
+        # All or none: a request that cannot be placed evicts nothing.
+        reserved, evicted = (
+            self.store.reserve(namespace, [(k, size) for k, (_, size) in wanted.items()], layout)
+            if wanted
+            else ([], 0)
+        )
+        todo: list[tuple[Chunk, Any]] = [
+            (chunk, src) for chunk, (src, _) in zip(reserved, wanted.values(), strict=True)
+        ]
         nbytes = sum(c.size for c, _ in todo)
         pieces: list[Piece] = []
         for ci, (chunk, src) in enumerate(todo):
@@ -492,8 +496,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             keys = [c.key for c in request.blocks.chunks]
         else:
             namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
-            if not namespace:
-                raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+            _check_namespace(namespace)
             keys = list(request.inline.keys)
         _check_keys(keys)
         chunks = self.store.acquire_prefix(namespace, keys, layout)
@@ -546,12 +549,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
         scope = request.WhichOneof("scope") or self._oneof(request, "scope")
         keys = list(request.keys)
-        if not all(keys):
-            _check_keys(keys)  # raises for the first empty key
+        if not all(0 < len(k) <= MAX_KEY_BYTES for k in keys):
+            _check_keys(keys)  # raises for the first bad key
         if scope == "mapping_id":
             mapping = self._mapping(request.mapping_id)
             hits = self.store.lookup(mapping.namespace, keys, mapping.fingerprint)
         else:
+            _check_namespace(request.namespace)
             hits = self.store.lookup(request.namespace, keys, None)
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
@@ -696,6 +700,24 @@ def _check_keys(keys: list[bytes]) -> None:
     for i, key in enumerate(keys):
         if not key:
             raise InvalidRequest(f"key {i} is empty", metadata={"keyIndex": i})
+        if len(key) > MAX_KEY_BYTES:
+            raise InvalidRequest(
+                f"key {i} is {len(key)} bytes, more than the {MAX_KEY_BYTES} allowed",
+                reason="KEY_TOO_LONG",
+                metadata={"keyIndex": i, "keyBytes": len(key), "maxKeyBytes": MAX_KEY_BYTES},
+            )
+
+
+def _check_namespace(namespace: str) -> None:
+    if not namespace:
+        raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
+    size = len(namespace.encode())
+    if size > MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(
+            f"namespace is {size} bytes, more than the {MAX_NAMESPACE_BYTES} allowed",
+            reason="NAMESPACE_TOO_LONG",
+            metadata={"namespaceBytes": size, "maxNamespaceBytes": MAX_NAMESPACE_BYTES},
+        )
 
 
 def _timestamp(t: float) -> timestamp_pb2.Timestamp:

@@ -5,6 +5,13 @@ reading, and a checksum per chunk verified on every read.
 Only the event loop touches the metadata; copies into and out of a chunk's
 bytes run on transfer threads while the chunk is reserved or read-pinned, so
 eviction can never free memory a copy is using.
+
+A chunk is identified by (namespace, key, layout): chunks of one key in two
+layouts are two chunks, so one client's differently-shaped chunk never hides
+another's. Every byte the server keeps for a chunk (its key and namespace too)
+counts against the capacity, and a Store reserves all its chunks or none: the
+eviction plan is made before anything is evicted, so a Store that fails evicts
+nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvsvc.errors import CapacityExhausted, DataLoss, LayoutMismatch
+from kvsvc.errors import CapacityExhausted, DataLoss
 
 ALIGN = 4096
 INLINE_LAYOUT = "inline"
@@ -40,11 +47,23 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+#: What the server keeps per chunk beside its bytes and key (the Chunk object, its
+#: index entries, its checksums), counted against the capacity with the key.
+CHUNK_OVERHEAD_BYTES = 512
+
+ChunkKey = tuple[str, bytes, str]  # (namespace, key, layout)
+
+
+def meta_bytes(namespace: str, key: bytes, size: int) -> int:
+    """Bytes of server memory a chunk holds outside the store buffer."""
+    return CHUNK_OVERHEAD_BYTES + len(key) + len(namespace) + 8 * len(segments(size))
+
+
 @dataclass
 class Chunk:
     """One stored chunk; visible to readers only once committed."""
 
-    key: tuple[str, bytes]
+    key: ChunkKey
     offset: int
     size: int
     layout: str
@@ -52,6 +71,12 @@ class Chunk:
     committed: bool = False
     readers: int = 0
     alloc_size: int = field(default=0)
+    meta_size: int = field(default=0)
+
+    @property
+    def charged(self) -> int:
+        """Bytes of the capacity this chunk holds."""
+        return self.alloc_size + self.meta_size
 
 
 class ChunkStore:
@@ -77,45 +102,47 @@ class ChunkStore:
             (ctypes.c_char * self.capacity).from_address(self.tensor.data_ptr())
         ).cast("B")
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
-        self._chunks: OrderedDict[tuple[str, bytes], Chunk] = OrderedDict()
-        self.used_bytes = 0
+        #: committed chunks, least recently used first
+        self._chunks: OrderedDict[ChunkKey, Chunk] = OrderedDict()
+        #: (namespace, key) -> number of layouts it is committed in (Lookup by namespace)
+        self._keys: dict[tuple[str, bytes], int] = {}
+        self.used_bytes = 0  # reserved and committed chunks, metadata included
         self.evicted_total = 0
         self.checksum_failures = 0
 
     # --- queries ---
     def __len__(self) -> int:
-        return sum(1 for c in self._chunks.values() if c.committed)
+        return len(self._chunks)
 
-    def get(self, namespace: str, key: bytes) -> Chunk | None:
-        chunk = self._chunks.get((namespace, key))
-        return chunk if chunk is not None and chunk.committed else None
+    def get(self, namespace: str, key: bytes, layout: str) -> Chunk | None:
+        return self._chunks.get((namespace, key, layout))
 
     def lookup(self, namespace: str, keys: list[bytes], layout: str | None) -> int:
-        """Leading keys present (in ``layout`` when given)."""
-        chunks, hits = self._chunks, 0
-        for key in keys:  # get() inlined: this runs on every Lookup
-            chunk = chunks.get((namespace, key))
-            if chunk is None or not chunk.committed:
-                break
-            if layout is not None and chunk.layout != layout:
-                break
-            hits += 1
+        """Leading keys present in ``layout``, or in any layout when it is None."""
+        hits = 0
+        if layout is None:
+            index = self._keys
+            for key in keys:
+                if (namespace, key) not in index:
+                    break
+                hits += 1
+        else:
+            chunks = self._chunks
+            for key in keys:
+                if (namespace, key, layout) not in chunks:
+                    break
+                hits += 1
         return hits
 
     # --- reads ---
     def acquire_prefix(self, namespace: str, keys: list[bytes], layout: str) -> list[Chunk]:
-        """Read-pin the leading present chunks; a chunk of another layout is an error."""
+        """Read-pin the leading chunks present in ``layout`` (a key stored only in
+        another layout ends the prefix, as Lookup counts it)."""
         out: list[Chunk] = []
         for key in keys:
-            chunk = self.get(namespace, key)
+            chunk = self._chunks.get((namespace, key, layout))
             if chunk is None:
                 break
-            if chunk.layout != layout:
-                raise LayoutMismatch(
-                    f"chunk {key.hex()[:32]} was stored with layout {chunk.layout}, "
-                    f"requested layout {layout}",
-                    metadata={"key": key.hex(), "storedLayout": chunk.layout, "layout": layout},
-                )
             out.append(chunk)
         for chunk in out:
             chunk.readers += 1
@@ -148,77 +175,109 @@ class ChunkStore:
             )
 
     # --- writes ---
-    def reserve(self, namespace: str, key: bytes, size: int, layout: str) -> tuple[Chunk, int]:
-        """Allocate space for a new chunk, evicting LRU chunks; returns (chunk, evicted)."""
-        alloc = _align(max(size, 1))
-        if alloc > self.capacity:
+    def reserve(
+        self, namespace: str, wants: list[tuple[bytes, int]], layout: str
+    ) -> tuple[list[Chunk], int]:
+        """Allocate space for every (key, size) of one request, or for none.
+
+        Returns (chunks, evicted). The eviction plan is made on a copy of the free
+        list first, so a request that cannot be placed evicts nothing; one that
+        exceeds the capacity can never fit and is not retryable.
+        """
+        allocs = [_align(max(size, 1)) for _, size in wants]
+        metas = [meta_bytes(namespace, key, size) for key, size in wants]
+        need = sum(allocs) + sum(metas)
+        if need > self.capacity:
             raise CapacityExhausted(
-                f"chunk of {size} bytes exceeds store capacity {self.capacity}",
-                metadata={"chunkBytes": size, "capacityBytes": self.capacity},
+                f"the request needs {need} bytes (chunks and their keys), more than the "
+                f"store's capacity of {self.capacity}: it can never fit",
+                reason="REQUEST_EXCEEDS_CAPACITY",
+                metadata={"requestBytes": need, "capacityBytes": self.capacity},
+                retryable=False,
             )
-        evicted = 0
-        offset = self._alloc(alloc)
-        while offset is None:
-            victim = next(
-                (c for c in self._chunks.values() if c.committed and c.readers == 0), None
-            )
-            if victim is None:
-                raise CapacityExhausted(
-                    f"no room for {size} bytes: {self.used_bytes} of {self.capacity} bytes "
-                    "are held by chunks being written or read",
-                    metadata={"chunkBytes": size, "usedBytes": self.used_bytes},
-                    retryable=True,
-                )
-            self._drop(victim)
-            evicted += 1
-            offset = self._alloc(alloc)
-        chunk = Chunk((namespace, key), offset, size, layout, alloc_size=alloc)
-        self.used_bytes += alloc
-        # An uncommitted chunk under the same key (a racing Store) keeps its slot
-        # until it commits or aborts; readers only ever see committed chunks.
-        self.evicted_total += evicted
-        return chunk, evicted
+        free = list(self._free)
+        used = self.used_bytes
+        candidates = (c for c in self._chunks.values() if c.readers == 0)  # LRU first
+        victims: list[Chunk] = []
+        offsets: list[int] = []
+        for alloc, meta in zip(allocs, metas, strict=True):
+            while True:
+                if used + alloc + meta <= self.capacity:
+                    offset = _first_fit(free, alloc)
+                    if offset is not None:
+                        break
+                victim = next(candidates, None)
+                if victim is None:
+                    raise CapacityExhausted(
+                        f"no room for {len(wants)} chunks ({need} bytes): {self.used_bytes} of "
+                        f"{self.capacity} bytes are held by chunks being written or read; "
+                        "nothing was evicted",
+                        metadata={"requestBytes": need, "usedBytes": self.used_bytes},
+                        retryable=True,
+                    )
+                _free_range(free, victim.offset, victim.alloc_size)
+                used -= victim.charged
+                victims.append(victim)
+            offsets.append(offset)
+            used += alloc + meta
+        # The plan fits: apply it.
+        self._free = free
+        for victim in victims:
+            self._forget(victim)
+        self.evicted_total += len(victims)
+        self.used_bytes += need
+        return [
+            Chunk((namespace, key, layout), offset, size, layout, alloc_size=alloc, meta_size=meta)
+            for (key, size), offset, alloc, meta in zip(wants, offsets, allocs, metas, strict=True)
+        ], len(victims)
 
     def commit(self, chunk: Chunk, digests: list[int]) -> bool:
         """Publish a written chunk; False (and freed) if an equal key won the race."""
-        existing = self._chunks.get(chunk.key)
-        if existing is not None and existing.committed:
+        if chunk.key in self._chunks:
             self.abort(chunk)
             return False
         chunk.digests = digests
         chunk.committed = True
         self._chunks[chunk.key] = chunk
-        self._chunks.move_to_end(chunk.key)
+        pair = (chunk.key[0], chunk.key[1])
+        self._keys[pair] = self._keys.get(pair, 0) + 1
         return True
 
     def abort(self, chunk: Chunk) -> None:
-        self._free_range(chunk.offset, chunk.alloc_size)
-        self.used_bytes -= chunk.alloc_size
+        _free_range(self._free, chunk.offset, chunk.alloc_size)
+        self.used_bytes -= chunk.charged
 
-    def _drop(self, chunk: Chunk) -> None:
+    def _forget(self, chunk: Chunk) -> None:
+        """Unlist an evicted chunk (its range is already back in the free list)."""
         del self._chunks[chunk.key]
-        self._free_range(chunk.offset, chunk.alloc_size)
-        self.used_bytes -= chunk.alloc_size
+        pair: tuple[str, bytes] = (chunk.key[0], chunk.key[1])
+        if self._keys[pair] == 1:
+            del self._keys[pair]
+        else:
+            self._keys[pair] -= 1
+        self.used_bytes -= chunk.charged
 
-    # --- allocator: sorted free list, first fit, coalescing ---
-    def _alloc(self, size: int) -> int | None:
-        for i, (off, sz) in enumerate(self._free):
-            if sz >= size:
-                if sz == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (off + size, sz - size)
-                return off
-        return None
 
-    def _free_range(self, offset: int, size: int) -> None:
-        i = bisect.bisect_left(self._free, (offset, 0))
-        self._free.insert(i, (offset, size))
-        # merge with next, then previous
-        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
-            self._free[i] = (offset, size + self._free[i + 1][1])
-            del self._free[i + 1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            prev = self._free[i - 1]
-            self._free[i - 1] = (prev[0], prev[1] + self._free[i][1])
-            del self._free[i]
+# --- allocator: sorted free list of (offset, size), first fit, coalescing ---
+def _first_fit(free: list[tuple[int, int]], size: int) -> int | None:
+    for i, (off, sz) in enumerate(free):
+        if sz >= size:
+            if sz == size:
+                del free[i]
+            else:
+                free[i] = (off + size, sz - size)
+            return off
+    return None
+
+
+def _free_range(free: list[tuple[int, int]], offset: int, size: int) -> None:
+    i = bisect.bisect_left(free, (offset, 0))
+    free.insert(i, (offset, size))
+    # merge with next, then previous
+    if i + 1 < len(free) and offset + size == free[i + 1][0]:
+        free[i] = (offset, size + free[i + 1][1])
+        del free[i + 1]
+    if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+        prev = free[i - 1]
+        free[i - 1] = (prev[0], prev[1] + free[i][1])
+        del free[i]
