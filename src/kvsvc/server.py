@@ -206,6 +206,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine.fail(exc)
 
     def fatal_threadsafe(self, exc: KVServiceError) -> None:
+        """From any thread: queued copies stop starting at once, the loop does the rest."""
+        self.engine.mark_failed(exc)
         self.loop.call_soon_threadsafe(self.fatal, exc)
 
     # --- helpers ---

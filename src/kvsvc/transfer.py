@@ -142,6 +142,7 @@ class TransferEngine:
         self._barred: OrderedDict[str, None] = OrderedDict()
         self.rate = _Rate()
         self.failed: KVServiceError | None = None
+        self._fail_lock = threading.Lock()
         #: Called (from any thread) with a fatal error: the server stops serving.
         self.on_fatal: Callable[[KVServiceError], None] = lambda exc: None
         self._workers = _Workers(threads, self._worker_died)
@@ -202,6 +203,11 @@ class TransferEngine:
                 with lock:
                     if refused:
                         raise refused[0]
+                    if self.failed is not None:
+                        # Checked here, on the copy thread, before every piece: a
+                        # fatal failure decided a moment ago on another thread must
+                        # stop a copy queued behind it before it writes anything.
+                        raise self._refusal(FINISHED if transfer.started_at else NOT_STARTED)
                     first = not transfer.started_at
                     if first:
                         try:
@@ -221,16 +227,20 @@ class TransferEngine:
                 except KVServiceError as exc:
                     if exc.transfer_state != NOT_STARTED:
                         exc.transfer_state = FINISHED
+                    if exc.fatal:  # e.g. DataLoss: nothing queued may start after it
+                        self.mark_failed(exc)
                     raise
                 except Exception as exc:
                     # The worker failed mid-copy: the copy has stopped, but the data
                     # path is broken, so this instance must stop serving.
-                    raise FatalServerError(
+                    fatal = FatalServerError(
                         f"transfer worker failed: {type(exc).__name__}: {exc}",
                         reason="TRANSFER_WORKER_FAILED",
                         metadata={"transferId": transfer_id, "error": type(exc).__name__},
                         transfer_state=FINISHED,
-                    ) from exc
+                    )
+                    self.mark_failed(fatal)
+                    raise fatal from exc
 
             return work
 
@@ -245,12 +255,18 @@ class TransferEngine:
                 if not transfer.reply.done():
                     transfer.reply.set_result(None)
 
-        def piece_done(_: concurrent.futures.Future[T]) -> None:
+        def piece_done(fut: concurrent.futures.Future[T]) -> None:
             with lock:
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:
                 loop.call_soon_threadsafe(finished)
+            # Told after `finished` is queued, so a copy whose last piece failed is
+            # answered with its own error, not as one that cannot be proven to end;
+            # told even if the call was abandoned, since nobody else would tell.
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, KVServiceError) and exc.fatal:
+                self.on_fatal(exc)
 
         futures = [self._workers.submit(wrap(i, t), transfer_id) for i, t in enumerate(tasks)]
         for f in futures:
@@ -310,13 +326,17 @@ class TransferEngine:
             )
         return [f.result() for f in futures], None
 
+    def _refusal(self, state: int) -> ServiceNotServing:
+        assert self.failed is not None
+        return ServiceNotServing(
+            f"transfers are refused after a fatal failure ({self.failed.reason})",
+            metadata={"failureReason": self.failed.reason},
+            transfer_state=state,
+        )
+
     def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
         if self.failed is not None:
-            raise ServiceNotServing(
-                f"transfers are refused after a fatal failure ({self.failed.reason})",
-                metadata={"failureReason": self.failed.reason},
-                transfer_state=NOT_STARTED,
-            )
+            raise self._refusal(NOT_STARTED)
         if transfer_id in self._barred:
             raise InvalidRequest(
                 f"transfer {transfer_id} was fenced before it arrived; it will never run",
@@ -334,22 +354,28 @@ class TransferEngine:
         self.check_deadline(deadline, nbytes)
 
     # --- failure ---
+    def mark_failed(self, exc: KVServiceError) -> None:
+        """From any thread, at the moment a fatal failure is decided: no piece starts
+        after this (the first failure is the one kept). The loop's ``fail`` does the rest."""
+        with self._fail_lock:
+            if self.failed is None:
+                self.failed = exc
+
     def _worker_died(self, thread: str, exc: BaseException) -> None:
         log.critical("transfer worker %s died: %r", thread, exc)
-        self.on_fatal(
-            FatalServerError(
-                f"transfer worker {thread} died: {exc!r}",
-                reason="TRANSFER_WORKER_DIED",
-                metadata={"thread": thread},
-            )
+        fatal = FatalServerError(
+            f"transfer worker {thread} died: {exc!r}",
+            reason="TRANSFER_WORKER_DIED",
+            metadata={"thread": thread},
         )
+        self.mark_failed(fatal)
+        self.on_fatal(fatal)
 
     def fail(self, exc: KVServiceError) -> None:
         """After a fatal failure (on the loop): refuse new copies, fail queued ones at
         once (NOT_STARTED), and answer the callers of stalled copies (UNKNOWN) now
         rather than at their deadlines. Running copies stay tracked for Fence."""
-        if self.failed is None:
-            self.failed = exc
+        self.mark_failed(exc)
         for f in self._workers.drain():
             f.cancel()  # its done-callback finalizes it and answers NOT_STARTED
         for t in self.inflight.values():
