@@ -122,6 +122,7 @@ class ServerConfig:
     transfer_threads: int = 2
     shutdown_grace: float = 10.0
     stall_timeout: float = 10.0
+    default_deadline: float = DEFAULT_TRANSFER_DEADLINE_S
     exit_on_fatal: bool = False
     metrics_port: int = 0
     log_format: str = "text"
@@ -139,6 +140,8 @@ _HELP = {
     "transfer_threads": "worker threads that run copies off the event loop",
     "shutdown_grace": "seconds that SIGTERM/SIGINT lets in-flight calls finish",
     "stall_timeout": "seconds a copy may run before the server declares itself stalled",
+    "default_deadline": "seconds a call that carries no gRPC deadline may take here: "
+    "queueing, copying and the handler alike",
     "exit_on_fatal": "exit non-zero after a fatal failure once in-flight copies are fenced",
     "metrics_port": "Prometheus metrics HTTP port (0 = off)",
     "log_format": "'text' or 'json' (one JSON object per line, with request ids)",
@@ -149,6 +152,7 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "transfer_threads": _positive_int,
     "shutdown_grace": _positive_float,
     "stall_timeout": _positive_float,
+    "default_deadline": _positive_float,
     "metrics_port": int,
 }
 

@@ -24,7 +24,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, failpoints, fdpass
 from kvsvc.config import (
-    DEFAULT_TRANSFER_DEADLINE_S,
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
     ServerConfig,
@@ -96,41 +95,46 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
         name = fn.__name__
         is_async = inspect.iscoroutinefunction(fn)
 
+        async def dispatch(self: KVCacheServicer, request: Any, call: Call) -> Any:
+            if failpoints.ENABLED:
+                failpoints.hit("loop.stall", name)
+                await failpoints.hit_async("handler.enter", name)
+            header = request.header
+            if header.envelope_version not in (0, ENVELOPE_VERSION):
+                raise UnsupportedRequest(
+                    f"envelope version {header.envelope_version} is not spoken here "
+                    f"(this server speaks {ENVELOPE_VERSION})",
+                    reason="UNSUPPORTED_ENVELOPE_VERSION",
+                    metadata={
+                        "envelopeVersion": header.envelope_version,
+                        "supported": ENVELOPE_VERSION,
+                    },
+                )
+            if transfer:
+                self.health.check_serving()
+            result = (await fn(self, request, call)) if is_async else fn(self, request, call)
+            # A handler may build its whole response (cheaper than copying a result in).
+            return result if type(result) is response_cls else response_cls(result=result)
+
         @functools.wraps(fn)
         async def handler(
             self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
         ) -> Any:
-            header = request.header
-            request_id = header.request_id or new_request_id()
-            # A call without a deadline gets the default one: no wait here is unbounded.
+            request_id = request.header.request_id or new_request_id()
             remaining = context.time_remaining()
             started = monotonic()  # one clock for the deadline and the latency metric
             call = Call(
                 request_id,
-                started + (DEFAULT_TRANSFER_DEADLINE_S if remaining is None else remaining),
+                started + (self.config.default_deadline if remaining is None else remaining),
                 transfer,
             )
             outcome = "result"
             token = REQUEST_ID.set(request_id)
             try:
-                if failpoints.ENABLED:
-                    failpoints.hit("loop.stall", name)
-                    await failpoints.hit_async("handler.enter", name)
-                if header.envelope_version not in (0, ENVELOPE_VERSION):
-                    raise UnsupportedRequest(
-                        f"envelope version {header.envelope_version} is not spoken here "
-                        f"(this server speaks {ENVELOPE_VERSION})",
-                        reason="UNSUPPORTED_ENVELOPE_VERSION",
-                        metadata={
-                            "envelopeVersion": header.envelope_version,
-                            "supported": ENVELOPE_VERSION,
-                        },
-                    )
-                if transfer:
-                    self.health.check_serving()
-                result = (await fn(self, request, call)) if is_async else fn(self, request, call)
-                # A handler may build its whole response (cheaper than copying a result in).
-                return result if type(result) is response_cls else response_cls(result=result)
+                if remaining is None:
+                    # No client deadline: the default one bounds every wait here.
+                    return await self._bounded(dispatch(self, request, call), name, call)
+                return await dispatch(self, request, call)
             except asyncio.CancelledError:
                 # The client cancelled or its deadline passed: nobody reads a reply.
                 outcome = "CANCELLED"
@@ -179,6 +183,27 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 raise
             log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
             return None
+
+    async def _bounded(self, work: Awaitable[Any], name: str, call: Call) -> Any:
+        """Run a call that carries no deadline within the server's default: a handler
+        that hangs or a copy that runs long is answered at the deadline all the same
+        (a copy that goes on is tracked, answered UNKNOWN, and Fence proves its end)."""
+        limit = reply_budget(call.deadline)
+        try:
+            return await asyncio.wait_for(work, limit)
+        except asyncio.TimeoutError:
+            if monotonic() < call.deadline - 0.1:
+                raise  # the handler's own TimeoutError, not the deadline's
+            state = NO_TRANSFER
+            if call.transfer:
+                state = self.engine.state_of(call.request_id) if call.started else NOT_STARTED
+            raise DeadlineExceeded(
+                f"{name} did not finish within the server's default deadline of "
+                f"{self.config.default_deadline:g} s (the call carried no deadline)",
+                reason="DEFAULT_DEADLINE_EXCEEDED",
+                metadata={"defaultDeadlineS": f"{self.config.default_deadline:g}"},
+                transfer_state=state,
+            ) from None
 
     async def _error(
         self, name: str, call: Call, exc: BaseException, response_cls: type[Any]

@@ -334,6 +334,14 @@ class TransferEngine:
             transfer_state=state,
         )
 
+    def state_of(self, transfer_id: str) -> int:
+        """What is known of a copy whose call stopped waiting for it: UNKNOWN while a
+        piece may still write, FINISHED once none runs, NOT_STARTED if none began."""
+        t = self.inflight.get(transfer_id)
+        if t is None:
+            return FINISHED if transfer_id in self._completed else NOT_STARTED
+        return UNKNOWN if t.started_at or t.abandoned else NOT_STARTED
+
     def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
         if self.failed is not None:
             raise self._refusal(NOT_STARTED)
