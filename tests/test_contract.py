@@ -89,7 +89,7 @@ def test_message_is_cut_to_4096_bytes_on_a_character_boundary(server) -> None:
     raw = e.message.encode("utf-8")
     assert len(raw) <= MAX_MESSAGE_BYTES and e.message_truncated
     raw.decode("utf-8", errors="strict")
-    assert e.message.startswith("rank 0 ключ€😀")
+    assert e.message.startswith("tp_rank=0 pp_rank=0 group_id='' (ranks[0]) layer 'ключ€😀")
 
 
 def test_truncate_utf8_never_splits_a_character() -> None:

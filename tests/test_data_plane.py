@@ -112,7 +112,7 @@ def test_map_is_all_or_none_and_names_the_failing_rank(server, client, shm_dir) 
     e = ei.value
     assert e.metadata["tpRank"] == "2" and e.metadata["ppRank"] == "1"
     assert e.metadata["groupId"] == "grp-7"
-    assert "rank 2" in e.message and "tp_rank=2" in e.message and "pp_rank=1" in e.message
+    assert "tp_rank=2 pp_rank=1 group_id='grp-7' (ranks[2])" in e.message
     assert client.server_info().mappings == 0
     assert _open_fds(shm_dir) == before  # ranks 0 and 1 were rolled back
     # the same request, fixed, maps; mapping it again is idempotent
@@ -330,3 +330,42 @@ def test_a_call_without_deadline_gets_the_default_one(server, shm_dir, monkeypat
         r = pb_grpc.KVCacheServiceStub(ch).Map(pb.MapRequest(namespace="ns", ranks=[region]))
     assert time.monotonic() - t0 < 5
     assert r.error.reason == "REGION_NOT_READY"
+
+
+def _grid_regions(shm_dir, num_blocks=(12, 12, 12, 12)) -> list[pb.RankRegion]:
+    """Four ranks, tp 2 x pp 2: entry 3 of the request is tp_rank 1, pp_rank 1."""
+    regions = []
+    for i, blocks in enumerate(num_blocks):
+        cache = SharedKVCache(
+            f"grid{i}", num_layers=2, num_blocks=blocks, block_size=4, kv_heads=2,
+            head_dim=16, shm_dir=str(shm_dir),
+        )  # fmt: skip
+        ctx = rank_context(tp_rank=i % 2, tp_size=2, pp_rank=i // 2, pp_size=2, group_id="g-3")
+        regions.append(cache.rank_region(ctx))
+    return regions
+
+
+def test_map_layout_errors_name_tp_rank_pp_rank_group_and_layer(client, shm_dir) -> None:
+    regions = _grid_regions(shm_dir)
+    regions[3].tensors[1].dtype = 99
+    with pytest.raises(InvalidRequest) as ei:
+        client.map("ns", regions)
+    e = ei.value
+    layer = regions[3].tensors[1].name
+    assert layer
+    assert (e.metadata["tpRank"], e.metadata["ppRank"], e.metadata["groupId"]) == ("1", "1", "g-3")
+    assert e.metadata["layer"] == layer and e.metadata["rankIndex"] == "3"
+    assert e.message.startswith(f"tp_rank=1 pp_rank=1 group_id='g-3' (ranks[3]) layer '{layer}'")
+    assert client.server_info().mappings == 0
+
+
+def test_map_ranks_that_disagree_on_blocks_are_named(client, shm_dir) -> None:
+    regions = _grid_regions(shm_dir, num_blocks=(12, 12, 8, 12))
+    with pytest.raises(InvalidRequest) as ei:
+        client.map("ns", regions)
+    e = ei.value
+    assert e.reason == "RANK_BLOCKS_DISAGREE"
+    assert (e.metadata["tpRank"], e.metadata["ppRank"], e.metadata["groupId"]) == ("0", "1", "g-3")
+    assert (e.metadata["numBlocks"], e.metadata["expectedBlocks"]) == ("8", "12")
+    assert "tp_rank=0 pp_rank=1 group_id='g-3' (ranks[2])" in e.message
+    assert client.server_info().mappings == 0

@@ -352,7 +352,7 @@ def test_map_failing_on_rank_2_of_4_names_it_and_rolls_back(spawn, shm_dir, faul
             assert isinstance(e, DeadlineExceeded) and e.reason == "REGION_NOT_READY"
         assert e.metadata["rankIndex"] == "2" and e.metadata["tpRank"] == "2"
         assert e.metadata["ppRank"] == "1" and e.metadata["groupId"] == "grp-9"
-        assert "rank 2" in e.message and "tp_rank=2" in e.message
+        assert "tp_rank=2 pp_rank=1 group_id='grp-9' (ranks[2])" in e.message
         assert c.server_info(timeout=5).mappings == 0
         assert server_fds_in(srv.proc.pid, shm_dir) == []  # ranks 0 and 1 closed again
     assert_health(srv.address, SERVING)

@@ -63,7 +63,9 @@ def rank_metadata(ctx: pb.RankContext, index: int) -> dict[str, object]:
 
 
 def rank_label(ctx: pb.RankContext, index: int) -> str:
-    return f"rank {index} (tp_rank={ctx.tp_rank}, pp_rank={ctx.pp_rank}, group={ctx.group_id!r})"
+    """How every message names a rank: by its ranks, with its place in the request
+    second (an entry's position is not its tp_rank)."""
+    return f"tp_rank={ctx.tp_rank} pp_rank={ctx.pp_rank} group_id={ctx.group_id!r} (ranks[{index}])"
 
 
 @dataclass(frozen=True)
@@ -160,14 +162,15 @@ def handle_identity(h: pb.MemoryHandle) -> tuple[str, int]:
     )
 
 
-def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
-    """Validate a tensor description; every fault is INVALID_ARGUMENT with the rank named."""
+def parse_tensor(t: pb.KVTensor, ctx: pb.RankContext, rank: int) -> TensorLayout:
+    """Validate a tensor description; every fault is INVALID_ARGUMENT with the rank
+    (tp/pp rank, group) and the layer named."""
     label = t.name or "tensor"
+    where = f"{rank_label(ctx, rank)} layer {label!r}"
+    context = {**rank_metadata(ctx, rank), "layer": label}
 
     def bad(msg: str) -> InvalidRequest:
-        return InvalidRequest(
-            f"rank {rank} {label}: {msg}", metadata={"rankIndex": rank, "tensor": label}
-        )
+        return InvalidRequest(f"{where}: {msg}", metadata=context)
 
     if t.dtype not in DTYPES:
         raise bad(f"unsupported dtype {t.dtype}")
@@ -200,12 +203,11 @@ def parse_tensor(t: pb.KVTensor, rank: int) -> TensorLayout:
         raise bad(f"offset {layout.offset} is not a multiple of the element size")
     if layout.end_bytes > handle_size:
         raise InvalidRequest(
-            f"rank {rank} {label}: shape x strides x dtype reaches byte {layout.end_bytes}, "
+            f"{where}: shape x strides x dtype reaches byte {layout.end_bytes}, "
             f"beyond the handle's {handle_size} bytes",
             reason="TENSOR_OUT_OF_BOUNDS",
             metadata={
-                "rankIndex": rank,
-                "tensor": label,
+                **context,
                 "endBytes": layout.end_bytes,
                 "handleBytes": handle_size,
             },
@@ -454,7 +456,7 @@ def open_rank(
             f"{rank_label(rank.context, index)} has no tensors",
             metadata=rank_metadata(rank.context, index),
         )
-    tensors = [parse_tensor(t, index) for t in rank.tensors]
+    tensors = [parse_tensor(t, rank.context, index) for t in rank.tensors]
     blocks = {t.num_blocks for t in tensors}
     if len(blocks) != 1:
         raise InvalidRequest(

@@ -306,19 +306,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
-        kinds = {isinstance(region, CudaRegion) for r in ranks for region in r.regions.values()}
-        if len(kinds) > 1:
+        try:
+            _check_ranks_agree(ranks)
+        except BaseException:
             for opened in ranks:
                 opened.close()
-            raise InvalidRequest(
-                "a mapping's ranks must all be shared memory or all CUDA",
-                reason="MIXED_REGION_KINDS",
-            )
+            raise
         blocks = {r.tensors[0].num_blocks for r in ranks}
-        if len(blocks) != 1:
-            for opened in ranks:
-                opened.close()
-            raise InvalidRequest(f"ranks disagree on the number of blocks: {sorted(blocks)}")
         self._mapping_seq += 1
         mapping = Mapping(
             mapping_id=f"{self.start_id[:8]}-{self._mapping_seq}",
@@ -716,6 +710,34 @@ def _inline_load_pieces(
         return run
 
     return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(chunk.size))]
+
+
+def _check_ranks_agree(ranks: list[RankMapping]) -> None:
+    """One mapping is one memory kind and one number of blocks; the first rank that
+    differs from ranks[0] is named like every other rank error."""
+    first = ranks[0]
+    first_cuda = any(isinstance(r, CudaRegion) for r in first.regions.values())
+    first_blocks = first.tensors[0].num_blocks
+    for index, rank in enumerate(ranks[1:], start=1):
+        label, context = rank_label(rank.context, index), rank_metadata(rank.context, index)
+        if any(isinstance(r, CudaRegion) for r in rank.regions.values()) != first_cuda:
+            raise InvalidRequest(
+                f"{label}: a mapping's ranks must all be shared memory or all CUDA, "
+                f"and {rank_label(first.context, 0)} is not of the same kind",
+                reason="MIXED_REGION_KINDS",
+                metadata=context,
+            )
+        if rank.tensors[0].num_blocks != first_blocks:
+            raise InvalidRequest(
+                f"{label}: ranks disagree on the number of blocks: {rank.tensors[0].num_blocks} "
+                f"here, {first_blocks} in {rank_label(first.context, 0)}",
+                reason="RANK_BLOCKS_DISAGREE",
+                metadata={
+                    **context,
+                    "numBlocks": rank.tensors[0].num_blocks,
+                    "expectedBlocks": first_blocks,
+                },
+            )
 
 
 def _ranks_descriptor(request: pb.MapRequest) -> bytes:
