@@ -188,7 +188,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Run a call that carries no deadline within the server's default: a handler
         that hangs or a copy that runs long is answered at the deadline all the same
         (a copy that goes on is tracked, answered UNKNOWN, and Fence proves its end)."""
-        limit = reply_budget(call.deadline)
+        # At the deadline itself: handlers give up a little earlier with a better
+        # error (they keep a reply budget); this only catches what does not.
+        limit = max(0.0, call.deadline - monotonic())
         try:
             return await asyncio.wait_for(work, limit)
         except asyncio.TimeoutError:
