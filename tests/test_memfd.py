@@ -15,7 +15,7 @@ import torch
 from conftest import LAYOUTS, SERVING, ServerThread, fill_random, health_status, make_cache
 
 from kvsvc import fdpass
-from kvsvc.client import AsyncKVCacheClient
+from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.errors import CapacityExhausted, InvalidRequest, Unimplemented
 from kvsvc.kvcache import rank_context
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -289,3 +289,214 @@ def test_a_memfd_mapping_is_released_once_its_owner_exits(server, client, shm_di
     with pytest.raises(MappingLost):
         client.store(m, [(b"k3", [3])])
     assert server.server.servicer.mappings.keys().isdisjoint({m.mapping_id})
+
+
+# --- the fd socket under a misbehaving local process (issue 12, defect 8) ---
+PASSER = """
+import os, sys
+from kvsvc import fdpass
+fd = fdpass.make_sealed_memfd("other", 4096)
+print(fdpass.send_fd(sys.argv[1], fd, 20), flush=True)
+"""
+
+
+def open_fds() -> int:
+    """This process's open fds: the in-process server's included."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def eventually(check, timeout: float = 20.0) -> bool:
+    """Whether ``check()`` turns true within ``timeout`` (polled)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def metric(st: ServerThread, name: str) -> float | None:
+    return st.server.servicer.metrics.registry.get_sample_value(name)
+
+
+def test_silent_peers_do_not_delay_a_registration(make_server, monkeypatch, shm_dir) -> None:
+    """Three peers connect and say nothing, and stay connected for the whole test
+    (their timeout is 30 s here): a registration must not wait for any of them.
+    The old server served one peer at a time, 5 s each: 15 s before this one."""
+    monkeypatch.setattr(fdpass, "FD_PEER_TIMEOUT_S", 30.0)
+    st = make_server()
+    path = st.server.servicer.fds.path
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    cache = make_cache(shm_dir, "c", seed=2, memfd=True)
+    try:
+        for s in silent:
+            s.connect(path)
+        token = fdpass.send_fd(path, cache.fd, timeout=10)
+        for s in silent:  # still connected: the registration did not wait them out
+            with pytest.raises(BlockingIOError):
+                s.recv(1, socket.MSG_DONTWAIT)
+        # the silent three were accepted before this one, and are still served
+        assert eventually(lambda: metric(st, "kvsvc_fd_socket_peers") == 3)
+        with KVCacheClient(st.address) as c:
+            assert c.map("ns", [cache.rank_region(token=token)]).num_blocks == cache.num_blocks
+    finally:
+        for s in silent:
+            s.close()
+    assert eventually(lambda: metric(st, "kvsvc_fd_socket_peers") == 0)
+
+
+def test_a_silent_peer_gets_a_typed_answer_and_is_closed(tmp_path) -> None:
+    broker = fdpass.FdBroker(str(tmp_path / "fds"), peer_timeout=0.3)
+    broker.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(20)
+            s.connect(broker.path)
+            reply = s.recv(65536)
+            assert reply[:1] == b"\1", reply
+            err = fdpass.error_pb2.RemoteError.FromString(reply[1:])
+            assert err.reason == "FD_SOCKET_TIMEOUT"
+            assert s.recv(1) == b""  # closed by the server
+        assert eventually(lambda: broker.peers == 0)
+    finally:
+        broker.close()
+
+
+def test_silent_peers_beyond_the_most_served_are_refused(tmp_path) -> None:
+    broker = fdpass.FdBroker(str(tmp_path / "fds"), peer_timeout=600, max_peers=1)
+    broker.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as a:
+            a.connect(broker.path)
+            assert eventually(lambda: broker.peers == 1)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as b:
+                b.settimeout(20)
+                b.connect(broker.path)  # a second silent peer, over max_peers
+                err = fdpass.error_pb2.RemoteError.FromString(b.recv(65536)[1:])
+                assert err.reason == "FD_SOCKET_BUSY" and err.retryable
+        assert eventually(lambda: broker.peers == 0)
+    finally:
+        broker.close()
+
+
+def test_a_flooding_peer_hits_its_cap_and_others_still_register(make_server, monkeypatch) -> None:
+    """One process passing fds as fast as it can is stopped at its own cap (the old
+    server took 1024, locking everyone out for 60 s, and held 2 fds for each):
+    another process still registers, and the server's fd count stays bounded."""
+    import subprocess
+    import sys
+
+    from kvsvc import config
+
+    for name in ("FD_TOKEN_TTL_S", "FD_TOKEN_UNUSED_TTL_S"):  # none expires here
+        monkeypatch.setattr(fdpass, name, 600.0)
+    server = make_server()
+    path = server.server.servicer.fds.path
+    fd = fdpass.make_sealed_memfd("flood", 4096)
+    before = open_fds()
+    passed = 0
+    try:
+        with pytest.raises(CapacityExhausted) as e:
+            for _ in range(2000):
+                fdpass.send_fd(path, fd, timeout=20)
+                passed += 1
+    finally:
+        os.close(fd)
+    other = subprocess.run(
+        [sys.executable, "-c", PASSER, path], capture_output=True, timeout=60, check=True
+    )
+    with KVCacheClient(server.address) as client:
+        assert client.map("ns", [memfd_region(other.stdout.decode().strip())]).num_blocks == 4
+    # one fd per token, one pidfd per process, the mapping (its mmap and owner
+    # pidfd), and a few sockets in flight; the old server held 2 per token
+    assert eventually(lambda: open_fds() - before <= passed + 10), open_fds() - before
+    assert e.value.reason == "FD_TOKENS_EXHAUSTED"
+    assert e.value.metadata["peerPid"] == str(os.getpid())
+    assert passed == config.FD_TOKENS_PER_PEER_MAX
+    assert eventually(lambda: metric(server, "kvsvc_fd_socket_open_fds") <= passed + 4)
+    assert metric(server, "kvsvc_fd_tokens_held") == passed + 1
+
+
+def test_an_unused_token_is_released_promptly(make_server, monkeypatch) -> None:
+    """A pass whose Map never comes holds its place for FD_TOKEN_UNUSED_TTL_S only
+    (the old server kept every passed fd 60 s), without any Map to notice."""
+    monkeypatch.setattr(fdpass, "FD_TOKEN_UNUSED_TTL_S", 0.5)
+    st = make_server()
+    fd = fdpass.make_sealed_memfd("unused", 4096)
+    try:
+        token = fdpass.send_fd(st.server.servicer.fds.path, fd, timeout=20)
+    finally:
+        os.close(fd)
+    assert eventually(lambda: metric(st, "kvsvc_fd_tokens_held") == 0, timeout=30)
+    with KVCacheClient(st.address) as c, pytest.raises(InvalidRequest) as e:
+        c.map("ns", [memfd_region(token)])
+    assert e.value.reason == "FD_TOKEN_UNKNOWN"
+
+
+def test_a_token_a_map_used_outlives_the_unused_ttl(tmp_path) -> None:
+    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=600, unused_ttl=4)
+    broker.start()
+    fd = fdpass.make_sealed_memfd("m", 4096)
+    try:
+        used = fdpass.send_fd(broker.path, fd)
+        for f in broker.open(used)[::2]:  # a Map's use, right away
+            os.close(f)
+        unused = fdpass.send_fd(broker.path, fd)
+        assert eventually(lambda: len(broker) == 1, timeout=30)
+        with pytest.raises(InvalidRequest):
+            broker.open(unused)
+        dup, size, owner = broker.open(used)
+        os.close(dup)
+        os.close(owner)
+        assert size == 4096
+    finally:
+        os.close(fd)
+        broker.close()
+
+
+def test_fds_beyond_one_per_pass_are_closed_at_once(server, client) -> None:
+    """A pass carrying several fds, or more than the control buffer takes, is
+    refused and leaves no fd behind in the server."""
+    path = client.server_info().fd_socket
+    extra = [fdpass.make_sealed_memfd(f"x{i}", 4096) for i in range(8)]
+    before = open_fds()
+    try:
+        for _ in range(20):
+            for fds in (extra[:2], extra):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.settimeout(20)
+                    s.connect(path)
+                    socket.send_fds(s, [fdpass.MAGIC], fds)
+                    err = fdpass.error_pb2.RemoteError.FromString(s.recv(65536)[1:])
+                assert err.reason == "FD_PASS_MALFORMED"
+    finally:
+        for f in extra:
+            os.close(f)
+    assert eventually(lambda: open_fds() <= before - len(extra)), (open_fds(), before)
+    assert len(server.server.servicer.fds) == 0
+
+
+def test_exited_works_for_a_pidfd_past_fd_setsize() -> None:
+    """A server holding many fds has pidfds numbered past 1024, where select()
+    fails: the owner check must still answer."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        if hard != resource.RLIM_INFINITY and hard < 1100:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1100")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1)
+    pidfd = os.pidfd_open(child.pid)
+    high = fcntl.fcntl(pidfd, fcntl.F_DUPFD_CLOEXEC, 1050)
+    try:
+        assert high >= 1050
+        assert not fdpass.exited(high)
+        child.communicate(b"", timeout=30)
+        assert fdpass.exited(high)
+    finally:
+        os.close(high)
+        os.close(pidfd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

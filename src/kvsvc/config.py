@@ -54,10 +54,24 @@ def server_options() -> list[tuple[str, int]]:
 
 
 # --- sealed memfd passing (kvsvc.fdpass) ---
-# A passed fd is held for Maps this long, then closed; at most this many at once.
+# A passed fd that a Map has used is held until this long after it was passed (a
+# failed Map can be retried, ranks can share one fd); one that no Map has used is
+# closed FD_TOKEN_UNUSED_TTL_S after it was passed, so an abandoned pass frees its
+# place promptly.
 FD_TOKEN_TTL_S = 60.0
+FD_TOKEN_UNUSED_TTL_S = 10.0
+# At most this many passed fds held at once (and at most a quarter of the soft
+# RLIMIT_NOFILE), and at most FD_TOKENS_PER_PEER_MAX from one process, so one
+# cannot take every place. Peers in another pid namespace show as pid 0: they
+# share one per-peer quota.
 FD_TOKENS_MAX = 1024
-# How long one exchange on the fd socket may take, on either end.
+FD_TOKENS_PER_PEER_MAX = 256
+# The fd socket serves up to FD_PEERS_MAX connections at once; one that has not
+# sent its fd FD_PEER_TIMEOUT_S after it was accepted is closed, and never delays
+# the others.
+FD_PEERS_MAX = 64
+FD_PEER_TIMEOUT_S = 2.0
+# How long the client waits for the fd socket's answer.
 FD_EXCHANGE_TIMEOUT_S = 5.0
 
 # --- client deadlines ---

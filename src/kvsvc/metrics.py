@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 if TYPE_CHECKING:
     from kvsvc.server import KVCacheServicer
@@ -94,6 +101,23 @@ class Metrics:
             lambda: store.checksum_failures,
         )
         gauge("kvsvc_mappings", "mapped engine regions", lambda: len(servicer.mappings))
+        fds = servicer.fds
+        gauge(
+            "kvsvc_fd_tokens_held",
+            "passed memfds the fd socket holds for Maps (bounded, and expire)",
+            lambda: len(fds) if fds is not None else 0,
+        )
+        gauge(
+            "kvsvc_fd_socket_peers",
+            "connections on the fd socket that have not sent their fd yet",
+            lambda: fds.peers if fds is not None else 0,
+        )
+        gauge(
+            "kvsvc_fd_socket_open_fds",
+            "fds the fd socket holds: passed memfds, their owners' pidfds, connections",
+            lambda: fds.open_fds() if fds is not None else 0,
+        )
+        ProcessCollector(registry=r)  # process_open_fds / process_max_fds: the whole server
         gauge(
             "kvsvc_serving",
             "1 while health is SERVING, 0 after a fatal failure or in shutdown",
