@@ -507,7 +507,8 @@ def test_exit_on_fatal_flips_health_at_once_and_exits_3(spawn) -> None:
             checked = exc.code()
         flipped = w.wait_for(NOT_SERVING, timeout=5)
         assert ei.value.reason == "TRANSFER_WORKER_FAILED"
-        assert flipped - replied < 0.05, flipped - replied
+        # at once, not after the 10 s shutdown grace (the watcher thread may lag a little)
+        assert flipped - replied < 2, flipped - replied
         assert checked in (
             NOT_SERVING,
             grpc.StatusCode.UNAVAILABLE,
