@@ -214,3 +214,21 @@ def fill_random(cache: SharedKVCache, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for layer in cache.layers:
         layer.copy_(torch.randn(layer.shape, generator=g).to(layer.dtype))
+
+
+def wait_inflight(address: str, n: int, limit: float = 30) -> None:
+    """Poll until the server runs at least ``n`` copies: a sleep in its place is a
+    race a loaded CI host loses."""
+    end = time.monotonic() + limit
+    with KVCacheClient(address) as c:
+        while c.server_info(timeout=5).inflight_transfers < n:
+            assert time.monotonic() < end, f"fewer than {n} copies in flight after {limit} s"
+            time.sleep(0.02)
+
+
+def wait_health(address: str, status: int, limit: float = 30) -> None:
+    """Poll the health service until it reports ``status`` (bounded)."""
+    end = time.monotonic() + limit
+    while health_status(address) != status:
+        assert time.monotonic() < end, f"health not {status} after {limit} s"
+        time.sleep(0.02)

@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from conftest import NOT_SERVING, SERVING, health_status
+from conftest import NOT_SERVING, SERVING, health_status, wait_health, wait_inflight
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.client import KVCacheClient
@@ -207,7 +207,7 @@ def test_health_serving_then_fatal_flips_both_names_and_watch_sees_it(spawn) -> 
 
 def test_sigterm_drains_in_flight_call_and_exits_zero(spawn) -> None:
     srv = spawn(
-        "--shutdown-grace", "10", env={"KVSVC_FAILPOINTS": "transfer.before_copy=sleep(1500)"}
+        "--shutdown-grace", "10", env={"KVSVC_FAILPOINTS": "transfer.before_copy=sleep(4000)"}
     )
     results: queue.Queue[object] = queue.Queue()
 
@@ -220,10 +220,9 @@ def test_sigterm_drains_in_flight_call_and_exits_zero(spawn) -> None:
 
     t = threading.Thread(target=slow_store)
     t.start()
-    time.sleep(0.5)  # the store is now sleeping inside the transfer worker
+    wait_inflight(srv.address, 1)  # the store is now sleeping (4 s) inside the worker
     srv.signal(signal.SIGTERM)
-    time.sleep(0.2)
-    assert health_status(srv.address, "") == NOT_SERVING
+    wait_health(srv.address, NOT_SERVING)
     t.join(15)
     result = results.get(timeout=1)
     assert isinstance(result, pb.StoreResult) and result.stored_chunks == 1

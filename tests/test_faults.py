@@ -19,7 +19,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import NOT_SERVING, SERVING, fill_random, health_status, make_cache
+from conftest import (
+    NOT_SERVING,
+    SERVING,
+    fill_random,
+    health_status,
+    make_cache,
+    wait_health,
+    wait_inflight,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc import failpoints
@@ -199,24 +207,24 @@ def test_worker_thread_death_is_fatal_and_the_killed_call_is_typed(spawn, shm_di
 
 
 def test_store_queued_behind_a_dying_worker_fails_fast_not_started(spawn, shm_dir) -> None:
-    """Copy A sleeps 800 ms, then its worker (the only one) dies mid-copy; B, queued
-    behind A with a 10 s deadline, must fail as soon as the worker dies."""
+    """Copy A sleeps 3 s, then its worker (the only one) dies mid-copy; B, queued
+    behind A with a 30 s deadline, must fail as soon as the worker dies."""
     srv = spawn(
         "--transfer-threads",
         "1",
-        env={FP: "transfer.before_copy=sleep(800);transfer.copy=kill-thread"},
+        env={FP: "transfer.before_copy=sleep(3000);transfer.copy=kill-thread"},
     )
     cache = make_cache(shm_dir, "c")
     with KVCacheClient(srv.address) as c:
         m = c.map("ns", [cache.rank_region()], timeout=5)
-        a = c.store_async(m, [(b"a0", [0]), (b"a1", [1])], timeout=10)
-        time.sleep(0.3)  # A is in the worker's sleep; B queues behind it
-        b_out, b_took = outcome_of(c.store, m, [(b"b0", [2])], timeout=10)
-        a_out = a.exception(10)
+        a = c.store_async(m, [(b"a0", [0]), (b"a1", [1])], timeout=30)
+        wait_inflight(srv.address, 1)  # A holds the worker (its 3 s sleep); B queues
+        b_out, b_took = outcome_of(c.store, m, [(b"b0", [2])], timeout=30)
+        a_out = a.exception(30)
         assert isinstance(a_out, TransferUnprovable), a_out  # it died mid-copy
         assert a_out.type == "FatalServerError" and a_out.reason == "TRANSFER_WORKER_DIED"
         assert c.leased_blocks(m) == {0, 1}
-        assert b_took < 2.5, b_took  # well before its 10 s deadline
+        assert b_took < 15, b_took  # well before its 30 s deadline
         assert isinstance(b_out, ServiceNotServing), repr(b_out)
         assert b_out.transfer_state == NOT_STARTED
         assert b_out.metadata["failureReason"] == "TRANSFER_WORKER_DIED"
@@ -228,7 +236,7 @@ def test_store_queued_behind_a_dying_worker_fails_fast_not_started(spawn, shm_di
 def test_hung_copy_trips_the_watchdog_and_the_call_ends_unprovable(spawn, shm_dir) -> None:
     srv = spawn("--stall-timeout", "0.5", env={FP: "transfer.copy=hang"})
     cache = make_cache(shm_dir, "c")
-    deadline = 5.0
+    deadline = 10.0  # the watchdog's 0.5 s verdict beats it by seconds
     with Watcher(srv.address) as w, KVCacheClient(srv.address) as c:
         w.wait_for(SERVING)
         m = c.map("ns", [cache.rank_region()], timeout=5)
@@ -246,29 +254,32 @@ def test_hung_copy_trips_the_watchdog_and_the_call_ends_unprovable(spawn, shm_di
         assert c.server_info(timeout=5).failure_reason == "TRANSFER_STALLED"
         # a fence cannot prove a hung copy finished: typed, bounded, still leased
         out, took = outcome_of(c.fence, m, timeout=0.5)
-        assert isinstance(out, TransferUnprovable) and took < 1.5, out
+        assert isinstance(out, TransferUnprovable) and took < 0.5 + 3, out
         assert c.leased_blocks(m) == {0, 1}
 
 
 # --- 4b. the event loop stalls ---
 def test_stalled_event_loop_trips_the_watchdog_and_never_looks_healthy(spawn) -> None:
-    srv = spawn("--stall-timeout", "0.5", env={FP: "loop.stall=Lookup@sleep(1500)"})
+    srv = spawn("--stall-timeout", "0.5", env={FP: "loop.stall=Lookup@sleep(5000)"})
     with KVCacheClient(srv.address) as c:
         assert_health(srv.address, SERVING)
         done: queue.Queue[tuple[object, float]] = queue.Queue()
         t = threading.Thread(
-            target=lambda: done.put(outcome_of(c.lookup, [b"k"], namespace="ns", timeout=5))
+            target=lambda: done.put(outcome_of(c.lookup, [b"k"], namespace="ns", timeout=10))
         )
         t.start()
-        time.sleep(0.7)  # the loop is blocked; the watchdog has fired
+        end = time.monotonic() + 10  # the loop is blocked (5 s) once the watchdog has fired
+        while "missed its heartbeat" not in srv.output():
+            assert time.monotonic() < end, srv.output()
+            time.sleep(0.02)
         try:
             during = health_status(srv.address, SERVICE_NAME, timeout=0.3)
         except grpc.RpcError as exc:
             during = exc.code()
         assert during in (NOT_SERVING, grpc.StatusCode.DEADLINE_EXCEEDED), during
-        out, took = done.get(timeout=10)
+        out, took = done.get(timeout=20)
         t.join(5)
-        assert took < 5 and (out == 0 or isinstance(out, KVServiceError)), out
+        assert took < 10 + 3 and (out == 0 or isinstance(out, KVServiceError)), out
         assert_health(srv.address, NOT_SERVING)
         info = c.server_info(timeout=5)
         assert not info.serving and info.failure_reason == "EVENT_LOOP_STALLED"
@@ -284,11 +295,11 @@ def test_sigkill_mid_transfer_is_unprovable_and_blocks_stay_leased(spawn, shm_di
     with KVCacheClient(srv.address) as c:
         m = c.map("ns", [cache.rank_region()], timeout=5)
         fut = c.store_async(m, [(b"a", [3]), (b"b", [4])], timeout=10)
-        time.sleep(0.5)
+        wait_inflight(srv.address, 1)
         srv.signal(signal.SIGKILL)
         t0 = time.monotonic()
         exc = fut.exception(10)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 6  # at the kill, not at the 10 s deadline
         assert isinstance(exc, TransferUnprovable), exc
         assert exc.transfer_state == UNKNOWN
         assert exc.metadata["grpcCode"] == "UNAVAILABLE"
@@ -302,16 +313,16 @@ def test_sigkill_mid_transfer_is_unprovable_and_blocks_stay_leased(spawn, shm_di
 
 # --- 6. a request runs out of time while queued ---
 def test_request_out_of_time_in_the_queue_never_starts(spawn, shm_dir) -> None:
-    srv = spawn("--transfer-threads", "1", env={FP: "transfer.copy=sleep(1500)"})
+    srv = spawn("--transfer-threads", "1", env={FP: "transfer.copy=sleep(4000)"})
     cache = make_cache(shm_dir, "c")
     fill_random(cache, 6)
     with KVCacheClient(srv.address) as c:
         m = c.map("ns", [cache.rank_region()], timeout=5)
         first = c.store_async(m, [(b"a0", [0]), (b"a1", [1])], timeout=10)
-        time.sleep(0.3)  # the first copy holds the only worker
+        wait_inflight(srv.address, 1)  # the first copy holds the only worker for 4 s
         out, took = outcome_of(c.store, m, [(b"b0", [2]), (b"b1", [3])], timeout=0.4)
         assert isinstance(out, (DeadlineExceeded, TransferUnprovable)), out
-        assert took < 0.4 + 1
+        assert took < 0.4 + 3
         assert first.result(10).stored_chunks == 2
         time.sleep(0.3)  # everything settles
         assert c.lookup([b"a0", b"a1"], mapping=m, timeout=5) == 2
@@ -344,29 +355,43 @@ def test_map_failing_on_rank_2_of_4_names_it_and_rolls_back(spawn, shm_dir, faul
         regions[2].tensors[1].handle.shared_memory.name = "never-created"
     with KVCacheClient(srv.address) as c:
         with pytest.raises(KVServiceError) as ei:
-            c.map("ns", regions, timeout=0.8)
+            c.map("ns", regions, timeout=2)
         e = ei.value
         if fault == "failpoint":
             assert isinstance(e, RegionUnavailable) and e.reason == "MAP_FAILED"
         else:
-            assert isinstance(e, DeadlineExceeded) and e.reason == "REGION_NOT_READY"
-        assert e.metadata["rankIndex"] == "2" and e.metadata["tpRank"] == "2"
-        assert e.metadata["ppRank"] == "1" and e.metadata["groupId"] == "grp-9"
-        assert "tp_rank=2 pp_rank=1 group_id='grp-9' (ranks[2])" in e.message
+            assert isinstance(e, DeadlineExceeded)
+        # REGION_NOT_READY races the deadline (the server retries until just before
+        # it): on a loaded host gRPC's DEADLINE_EXCEEDED may win, with no rank named.
+        if e.reason != "TRANSPORT_DEADLINE_EXCEEDED":
+            assert fault == "failpoint" or e.reason == "REGION_NOT_READY"
+            assert e.metadata["rankIndex"] == "2" and e.metadata["tpRank"] == "2"
+            assert e.metadata["ppRank"] == "1" and e.metadata["groupId"] == "grp-9"
+            assert "tp_rank=2 pp_rank=1 group_id='grp-9' (ranks[2])" in e.message
         assert c.server_info(timeout=5).mappings == 0
+        end = time.monotonic() + 10  # the server may still be rolling back after a lost reply
+        while server_fds_in(srv.proc.pid, shm_dir) and time.monotonic() < end:
+            time.sleep(0.02)
         assert server_fds_in(srv.proc.pid, shm_dir) == []  # ranks 0 and 1 closed again
     assert_health(srv.address, SERVING)
 
 
 # --- 8. a region truncated under a running copy ---
 def test_region_truncated_under_a_running_copy(spawn, shm_dir) -> None:
-    srv = spawn(env={FP: "transfer.copy=sleep(500)"})
+    srv = spawn(env={FP: "transfer.copy=sleep(2000)"})
     cache = make_cache(shm_dir, "victim")
     fill_random(cache, 8)
     size = cache.size
 
-    def truncate_soon() -> threading.Timer:
-        t = threading.Timer(0.25, os.truncate, (cache.path, 0))
+    def truncate_soon() -> threading.Thread:
+        """Truncate once the copy is in flight, well inside its 2 s sleep."""
+
+        def run() -> None:
+            wait_inflight(srv.address, 1)
+            time.sleep(0.25)
+            os.truncate(cache.path, 0)
+
+        t = threading.Thread(target=run)
         t.start()
         return t
 
@@ -441,16 +466,16 @@ def test_unknown_request_kind_and_newer_envelope_are_explicit_errors(spawn) -> N
 
 # --- 10. SIGTERM with copies in flight ---
 def test_sigterm_drains_copies_refuses_new_ones_and_exits_zero(spawn, shm_dir) -> None:
-    srv = spawn("--shutdown-grace", "10", env={FP: "transfer.copy=sleep(1500)"})
+    srv = spawn("--shutdown-grace", "10", env={FP: "transfer.copy=sleep(4000)"})
     cache = make_cache(shm_dir, "c")
     fill_random(cache, 10)
     with KVCacheClient(srv.address) as c:
         m = c.map("ns", [cache.rank_region()], timeout=5)
         a = c.store_async(m, [(b"a0", [0]), (b"a1", [1])], timeout=10)
         b = c.store_async(m, [(b"b0", [2]), (b"b1", [3])], timeout=10)
-        time.sleep(0.4)  # both copies are sleeping inside the two workers
+        wait_inflight(srv.address, 2)  # both copies are in the workers' 4 s sleep
         srv.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_health(srv.address, NOT_SERVING)
         assert_health(srv.address, NOT_SERVING)
         for call in (
             lambda: c.put("ns", [(b"late", b"x")], timeout=5),
@@ -482,7 +507,8 @@ def test_exit_on_fatal_flips_health_at_once_and_exits_3(spawn) -> None:
             checked = exc.code()
         flipped = w.wait_for(NOT_SERVING, timeout=5)
         assert ei.value.reason == "TRANSFER_WORKER_FAILED"
-        assert flipped - replied < 0.05, flipped - replied
+        # at once, not after the 10 s shutdown grace (the watcher thread may lag a little)
+        assert flipped - replied < 2, flipped - replied
         assert checked in (
             NOT_SERVING,
             grpc.StatusCode.UNAVAILABLE,
@@ -585,7 +611,7 @@ def test_soak_with_one_percent_faults_no_hang_all_accounted_bit_exact(spawn, shm
         took = time.monotonic() - t0
         with lock:
             total += 1
-            if took > SOAK_DEADLINE_S + 0.5:
+            if took > SOAK_DEADLINE_S + 3:
                 slow.append((name, took))
         return result
 

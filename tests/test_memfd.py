@@ -176,7 +176,7 @@ def test_server_without_fd_socket_says_so(make_server, shm_dir) -> None:
 
 
 def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
-    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=0.3, max_tokens=2)
+    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=3, max_tokens=2)  # outlasts the steps
     broker.start()
     fds = [fdpass.make_sealed_memfd(f"m{i}", 4096) for i in range(3)]
     try:
@@ -189,7 +189,7 @@ def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
         assert size == 4096
         assert owner >= 0 and not fdpass.exited(owner)  # this process passed it
         os.close(owner)
-        time.sleep(0.4)
+        time.sleep(3.1)
         with pytest.raises(InvalidRequest):
             broker.open(tokens[0])
         assert len(broker) == 0  # expired fds are closed, not just forgotten

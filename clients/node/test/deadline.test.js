@@ -78,7 +78,8 @@ test('connection refused -> ServiceUnavailable (retryable, never TransferUnprova
 
 test('against a slow server', async (t) => {
   const server = await startServer({
-    failpoints: 'handler.enter=Lookup@sleep(2000);transfer.before_copy=sleep(1500)',
+    // Each sleep outlasts the deadline it races by seconds (a loaded CI host).
+    failpoints: 'handler.enter=Lookup@sleep(4000);transfer.before_copy=sleep(5000)',
     args: ['--store-bytes', '64K'],
   });
   const client = new kv.KVClient(server.address);
@@ -99,7 +100,7 @@ test('against a slow server', async (t) => {
       return true;
     });
     const took = since(t0);
-    assert.ok(took >= 0.25 && took < 1.5, `took ${took} s`);
+    assert.ok(took >= 0.25 && took < 3.5, `took ${took} s`);
   });
 
   await t.test('an aborted signal cancels the call -> Cancelled', async () => {
@@ -111,7 +112,7 @@ test('against a slow server', async (t) => {
       assert.equal(e.code, 'CANCELLED');
       return true;
     });
-    assert.ok(since(t0) < 1.5);
+    assert.ok(since(t0) < 3.5, 'at the abort, not at the 5 s control deadline');
     await assert.rejects(client.lookup('ns', ['k'], { signal: ac.signal }),
       (e) => e instanceof kv.Cancelled && /before it was sent/.test(e.message));
   });
@@ -127,8 +128,9 @@ test('against a slow server', async (t) => {
   });
 
   await t.test('the transfer deadline default applies to an inline Store', async () => {
-    const short = new kv.KVClient(server.address, { transferDeadline: 0.5 });
+    const short = new kv.KVClient(server.address, { transferDeadline: 1.5 });
     try {
+      await short.serverInfo(); // connected: the copy must start within the deadline
       const rid = `slow-${crypto.randomUUID()}`;
       const t0 = Date.now();
       await assert.rejects(short.store('ns-slow', [{ key: 'k', data: 'v' }], { requestId: rid }), (e) => {
@@ -137,10 +139,10 @@ test('against a slow server', async (t) => {
         return true;
       });
       const took = since(t0);
-      assert.ok(took >= 0.4 && took < 1.4, `took ${took} s for a 0.5 s default`);
+      assert.ok(took >= 1.4 && took < 4.5, `took ${took} s for a 1.5 s default`);
       // The copy outlived its call; Fence proves it ended, and it was stored.
-      await client.fence({ transferIds: [rid] }, { deadline: 10 });
-      assert.equal((await client.lookup('ns-slow', ['k'], { deadline: 10 })).hitChunks, 1);
+      await client.fence({ transferIds: [rid] }, { deadline: 20 });
+      assert.equal((await client.lookup('ns-slow', ['k'], { deadline: 15 })).hitChunks, 1);
     } finally {
       short.close();
     }
@@ -164,7 +166,7 @@ test('against a slow server', async (t) => {
     await assert.rejects(client.call('Store', {
       header: { requestId: rid },
       blocks: { mappingId: mapped.mappingId, chunks: [{ key: Buffer.from('b'), blockIds: [0, 1] }] },
-    }, { deadline: 0.5 }), (e) => {
+    }, { deadline: 1.5 }), (e) => {
       assert.equal(e.constructor, kv.TransferUnprovable);
       assert.equal(e.code, 'DEADLINE_EXCEEDED');
       assert.equal(e.reason, 'TRANSFER_UNPROVABLE');
@@ -174,10 +176,10 @@ test('against a slow server', async (t) => {
       assert.equal(e.metadata.grpcCode, 'DEADLINE_EXCEEDED');
       return true;
     });
-    assert.ok(since(t0) < 1.4);
-    const fenced = await client.fence({ transferIds: [rid] }, { deadline: 10 });
+    assert.ok(since(t0) < 4.5, 'at the deadline, not when the 5 s copy ends');
+    const fenced = await client.fence({ transferIds: [rid] }, { deadline: 20 });
     assert.equal(fenced.barredTransfers, 0, 'the server had seen the transfer');
-    assert.equal((await client.lookup({ mappingId: mapped.mappingId }, ['b'])).hitChunks, 1);
+    assert.equal((await client.lookup({ mappingId: mapped.mappingId }, ['b'], { deadline: 15 })).hitChunks, 1);
     await client.call('Unmap', { mappingId: mapped.mappingId });
   });
 });

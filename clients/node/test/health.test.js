@@ -32,7 +32,7 @@ test('a fatal transfer failure flips health to NOT_SERVING; later transfers get 
   });
   // The traceback is in the server log, under the request id the error carries
   // (bounded wait: the log arrives through a pipe, maybe after the reply).
-  for (let i = 0; i < 60 && !server.log().includes(requestId); i++) {
+  for (let i = 0; i < 200 && !server.log().includes(requestId); i++) {
     await new Promise((r) => setTimeout(r, 50));
   }
   assert.match(server.log(), new RegExp(`${requestId}[^]*Traceback`));
@@ -40,7 +40,7 @@ test('a fatal transfer failure flips health to NOT_SERVING; later transfers get 
   // Health answers the truth right away (bounded poll, in case it lags the reply).
   const t0 = Date.now();
   let status = await client.healthCheck('');
-  while (status !== 'NOT_SERVING' && Date.now() - t0 < 3000) {
+  while (status !== 'NOT_SERVING' && Date.now() - t0 < 10_000) {
     await new Promise((r) => setTimeout(r, 50));
     status = await client.healthCheck('');
   }
