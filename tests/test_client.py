@@ -37,6 +37,7 @@ from kvsvc.errors import (
     DataLoss,
     DeadlineExceeded,
     FatalServerError,
+    InvalidDeadline,
     InvalidRequest,
     KVServiceError,
     LayoutMismatch,
@@ -573,10 +574,23 @@ VALID_DEADLINES = [0.5, 3]
 @pytest.mark.parametrize("setting", ["transfer_timeout", "control_timeout"])
 def test_constructor_rejects_bad_deadlines(setting: str, value: object) -> None:
     target = f"127.0.0.1:{free_port()}"
-    with pytest.raises(ValueError, match=rf"^{setting} must be"):
+    with pytest.raises(InvalidDeadline, match=rf"^{setting} must be"):
         KVCacheClient(target, **{setting: value})
-    with pytest.raises(ValueError, match=rf"^{setting} must be"):
+    with pytest.raises(InvalidDeadline, match=rf"^{setting} must be"):
         AsyncKVCacheClient(target, **{setting: value})
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0, -1.5, "5"], ids=repr)
+def test_a_bad_deadline_is_a_kvsvc_error_and_still_a_value_error(value: object) -> None:
+    """One hierarchy: `except KVServiceError` catches it, `except ValueError` still does."""
+    with KVCacheClient(f"127.0.0.1:{free_port()}") as c, pytest.raises(KVServiceError) as ei:
+        c.lookup([b"k"], namespace="ns", timeout=value)  # type: ignore[arg-type]
+    exc = ei.value
+    assert isinstance(exc, InvalidDeadline) and isinstance(exc, InvalidRequest)
+    assert isinstance(exc, ValueError)
+    assert exc.reason == "INVALID_DEADLINE" and exc.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.metadata == {"setting": "timeout", "value": repr(value)}
+    assert not exc.retryable and exc.transfer_state == NO_TRANSFER
 
 
 def _sync_calls(c: KVCacheClient, m: MappingHandle) -> dict[str, Callable[[Any], Any]]:
@@ -602,7 +616,7 @@ def test_per_call_timeout_rejects_bad_deadlines(value: object) -> None:
     m = MappingHandle("m-1", "ns", "start", 12, 1536, "fp")
     with KVCacheClient(f"127.0.0.1:{free_port()}") as c:
         for name, call in _sync_calls(c, m).items():
-            with pytest.raises(ValueError, match=r"^timeout must be"):
+            with pytest.raises(InvalidDeadline, match=r"^timeout must be"):
                 call(value)
             assert c.leased_blocks(m) == set(), name  # refused before anything was leased
 
@@ -625,11 +639,11 @@ async def test_async_per_call_timeout_rejects_bad_deadlines() -> None:
         }
         for value in BAD_DEADLINES:
             for name, call in calls.items():
-                with pytest.raises(ValueError, match=r"^timeout must be"):
+                with pytest.raises(InvalidDeadline, match=r"^timeout must be"):
                     await call(value)
                 assert c.leased_blocks(m) == set(), (name, value)
             for call_async in (c.store_async, c.retrieve_async):
-                with pytest.raises(ValueError, match=r"^timeout must be"):
+                with pytest.raises(InvalidDeadline, match=r"^timeout must be"):
                     call_async(m, chunks, timeout=value)
             assert c.leased_blocks(m) == set(), value
         # nothing listens there: a valid call fails fast and retryably

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvsvc.errors import InvalidDeadline
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -82,14 +84,23 @@ MAX_DEADLINE_S = 1e6
 
 
 def validate_deadline(value: object, setting: str) -> float:
-    """A deadline is a finite number of seconds > 0; anything else is a ValueError."""
+    """A deadline is a finite number of seconds > 0; anything else is InvalidDeadline
+    (a kvsvc error that is also the ValueError this was documented to raise)."""
+    metadata = {"setting": setting, "value": repr(value)[:100]}
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{setting} must be a number of seconds, got {value!r}")
+        raise InvalidDeadline(
+            f"{setting} must be a number of seconds, got {value!r}", metadata=metadata
+        )
     seconds = float(value)
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{setting} must be finite and > 0 seconds, got {value!r}")
+        raise InvalidDeadline(
+            f"{setting} must be finite and > 0 seconds, got {value!r}", metadata=metadata
+        )
     if seconds > MAX_DEADLINE_S:
-        raise ValueError(f"{setting} must be at most {MAX_DEADLINE_S:g} seconds, got {value!r}")
+        raise InvalidDeadline(
+            f"{setting} must be at most {MAX_DEADLINE_S:g} seconds, got {value!r}",
+            metadata=metadata,
+        )
     return seconds
 
 

@@ -11,11 +11,16 @@ declares only its code and reason (google-api-core's model).
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
+import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, TypeAlias
 
 import grpc
+from google.protobuf.message import Message
 
 from kvsvc.v1 import error_pb2
 
@@ -92,6 +97,19 @@ class UnsupportedRequest(InvalidRequest):
     reason = "UNSUPPORTED_REQUEST"
 
 
+class MalformedRequest(InvalidRequest):
+    """Request bytes that do not parse as the method's message (see :class:`Unparsed`)."""
+
+    reason = "MALFORMED_REQUEST"
+
+
+class InvalidDeadline(InvalidRequest, ValueError):
+    """A deadline that is not a finite number of seconds > 0. Raised by the client
+    before anything is sent; still a ValueError, which it was documented as."""
+
+    reason = "INVALID_DEADLINE"
+
+
 class LayoutMismatch(KVServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "LAYOUT_MISMATCH"
@@ -112,6 +130,13 @@ class MappingLost(NotFound):
     """The mapping is unknown here: the server restarted or it was unmapped. Map again."""
 
     reason = "MAPPING_NOT_FOUND"
+
+
+class CudaUnavailable(KVServiceError):
+    """A CUDA IPC handle reached a server that has no CUDA: no retry can help here."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "CUDA_UNAVAILABLE"
 
 
 class CapacityExhausted(KVServiceError):
@@ -195,7 +220,10 @@ class FatalServerError(RemoteHandlerError):
 _CLASSES: list[type[KVServiceError]] = [
     InvalidRequest,
     UnsupportedRequest,
+    MalformedRequest,
+    InvalidDeadline,
     LayoutMismatch,
+    CudaUnavailable,
     NotFound,
     Miss,
     MappingLost,
@@ -314,3 +342,81 @@ def from_grpc_error(
         code=code,
         retryable=code is grpc.StatusCode.UNAVAILABLE,
     )
+
+
+# --- requests that do not parse ---
+class _NoHeader:
+    """The header of a request that could not be read: the wrapper assigns an id."""
+
+    request_id = ""
+    envelope_version = 0
+
+
+class Unparsed:
+    """What the server's request deserializer hands the handler for bytes that do not
+    parse. grpc would answer a deserializer exception with UNKNOWN and an ERROR
+    traceback per request (a log flood); this way the handler answers the method's
+    own response with a MALFORMED_REQUEST envelope (INVALID_ARGUMENT)."""
+
+    __slots__ = ("error",)
+    header = _NoHeader()
+
+    def __init__(self, error: MalformedRequest) -> None:
+        self.error = error
+
+    def envelope(self, request_id: str, transfer: bool) -> error_pb2.RemoteError:
+        """The reply's error; a transfer that did not parse never started."""
+        return to_remote_error(self.error, request_id, NOT_STARTED if transfer else NO_TRANSFER)
+
+
+class _BoundedLog:
+    """At most one WARNING per ``interval_s``, counting what it held back: a peer
+    sending garbage must not be able to fill the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval_s:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        if held:
+            msg += f" ({held} more since the last such message)"
+        self.logger.warning(msg, *args)
+
+
+MALFORMED_LOG_INTERVAL_S = 10.0
+_malformed_log = _BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)
+
+
+def request_parser(message_cls: type[Message]) -> Callable[[bytes], Message | Unparsed]:
+    """A request deserializer for ``message_cls`` that never raises: bytes that do not
+    parse become :class:`Unparsed`, logged at a bounded rate."""
+    name = message_cls.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Message | Unparsed:
+        try:
+            return message_cls.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or worse: still a reply
+            _malformed_log.warning(
+                "a request of %d bytes does not parse as %s: %s", len(raw), name, exc
+            )
+            return Unparsed(
+                MalformedRequest(
+                    f"the request bytes do not parse as {name}",
+                    metadata={
+                        "messageType": name,
+                        "sizeBytes": len(raw),
+                        "error": type(exc).__name__,
+                    },
+                )
+            )
+
+    return parse

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from kvsvc.errors import InvalidRequest, RegionUnavailable
+from kvsvc.errors import CudaUnavailable, InvalidRequest, RegionUnavailable
 from kvsvc.fdpass import FdBroker, exited
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -189,6 +189,9 @@ def parse_tensor(t: pb.KVTensor, ctx: pb.RankContext, rank: int) -> TensorLayout
         raise bad(f"block_dim {t.block_dim} out of range for {ndim} dims")
     if t.handle.WhichOneof("kind") is None:
         raise bad("memory handle is not set")
+    if t.handle.WhichOneof("kind") == "cuda_ipc" and not torch.cuda.is_available():
+        # Before the bounds check: its sizes mean nothing here, the device does.
+        raise no_cuda({"layer": label})  # Map adds the rank context
     handle_key, handle_size = handle_identity(t.handle)
     layout = TensorLayout(
         label,
@@ -213,6 +216,14 @@ def parse_tensor(t: pb.KVTensor, ctx: pb.RankContext, rank: int) -> TensorLayout
             },
         )
     return layout
+
+
+def no_cuda(metadata: dict[str, object]) -> CudaUnavailable:
+    return CudaUnavailable(
+        "a CUDA IPC handle was sent to a server that has no CUDA device: map CPU memory "
+        "(a sealed memfd or a shared-memory file) or use a server on a GPU host",
+        metadata=metadata,
+    )
 
 
 def safe_shm_path(shm_dir: str, name: str) -> str:
@@ -293,7 +304,8 @@ class ShmRegion:
             done += n
 
     def write(self, offset: int, buf: memoryview, addr: int, a: int, b: int) -> None:
-        """``buf[a:b]`` into the region at ``offset``."""
+        """``buf[a:b]`` into the region at ``offset``; the caller brackets its writes
+        with :meth:`check_size` (``pwritev`` past the end would extend the file)."""
         src = buf[a:b]
         done = 0
         while done < len(src):
@@ -301,6 +313,23 @@ class ShmRegion:
             if n <= 0:
                 raise self._truncated(offset + done)
             done += n
+
+    def check_size(self) -> None:
+        """REGION_TRUNCATED if the file is now shorter than the mapping needs.
+
+        Writing never re-grows a file its owner truncated: writes are checked
+        before (so none lands past the end) and after (see below). Plain files
+        cannot be sealed against shrinking, so a truncate can still land between
+        the first check and a ``pwritev``, which then extends the file to the end
+        of that write; the check after the writes sees the file shorter than the
+        mapping needs and fails the call. What stays open: when the last write of
+        that span ends at the mapping's last byte, the file is re-grown unseen,
+        to exactly its mapped size (holes read as zeros). Sealed memfd regions
+        have no such window. One fstat per checksum segment, not per run: it
+        costs about as much as a small run's copy."""
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise self._truncated(size)
 
     def _truncated(self, at: int) -> RegionUnavailable:
         return RegionUnavailable(
@@ -388,9 +417,7 @@ class CudaRegion:
 
     def __init__(self, h: pb.CudaIpcHandle, need_bytes: int) -> None:
         if not torch.cuda.is_available():
-            raise RegionUnavailable(
-                "CUDA IPC handle sent to a server without CUDA", reason="DEVICE_NOT_FOUND"
-            )
+            raise no_cuda({})
         index = cuda_device_for_uuid(h.device_uuid)
         self.device = torch.device("cuda", index)
         torch.cuda.set_device(self.device)
@@ -597,6 +624,15 @@ class Mapping:
         the engine never uses them.)"""
         ops = plan.ops
         i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
+        files: set[ShmRegion] = set()
+        if not to_store:  # a write must not re-grow a truncated file
+            files = {
+                op[0]
+                for op in ops[i : bisect.bisect_left(plan.starts, hi)]
+                if isinstance(op[0], ShmRegion)
+            }
+            for f in files:
+                f.check_size()
         while i < len(ops) and ops[i][2] < hi:
             region, off, pos, n = ops[i]
             a, b = max(lo, pos), min(hi, pos + n)
@@ -606,6 +642,8 @@ class Mapping:
                 else:
                     region.write(off + (a - pos), buf, addr, a, b)
             i += 1
+        for f in files:
+            f.check_size()
         return xxhash.xxh3_64_intdigest(buf[lo:hi])
 
     def copy_cuda(self, plan: CopyPlan, host: torch.Tensor, *, to_store: bool) -> None:

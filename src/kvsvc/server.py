@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import grpc
 import torch
 from google.protobuf import timestamp_pb2
-from grpc_health.v1 import health_pb2_grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, failpoints, fdpass
@@ -40,9 +42,12 @@ from kvsvc.errors import (
     InvalidRequest,
     KVServiceError,
     LayoutMismatch,
+    MalformedRequest,
     MappingLost,
     RegionUnavailable,
+    Unparsed,
     UnsupportedRequest,
+    request_parser,
     to_remote_error,
 )
 from kvsvc.health import Health, Watchdog
@@ -131,6 +136,9 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             outcome = "result"
             token = REQUEST_ID.set(request_id)
             try:
+                if type(request) is Unparsed:  # its bytes did not parse (logged when parsed)
+                    outcome = MalformedRequest.reason
+                    return response_cls(error=request.envelope(request_id, transfer))
                 if remaining is None:
                     # No client deadline: the default one bounds every wait here.
                     return await self._bounded(dispatch(self, request, call), name, call)
@@ -785,8 +793,10 @@ class Server:
         self.health = Health()
         self.servicer = KVCacheServicer(config, self.health)
         self.grpc = grpc.aio.server(options=server_options())
-        pb_grpc.add_KVCacheServiceServicer_to_server(self.servicer, self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.grpc)
+        # Not the generated add_*_to_server: their deserializers raise on bytes that
+        # do not parse, which grpc answers UNKNOWN with an ERROR traceback each time.
+        self._add_service(pb.DESCRIPTOR.services_by_name["KVCacheService"], self.servicer)
+        self._add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], self.health.servicer)
         reflection.enable_server_reflection(
             (
                 pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
@@ -800,6 +810,26 @@ class Server:
             raise OSError(f"cannot listen on {config.listen}")
         host = config.listen.rsplit(":", 1)[0]
         self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
+
+    def _add_service(self, service: ServiceDescriptor, servicer: object) -> None:
+        """Register ``servicer``'s unary methods with requests parsed by
+        :func:`request_parser`, so a message that does not parse gets a typed reply."""
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method in service.methods:
+            assert not method.client_streaming, method.full_name
+            make = (
+                grpc.unary_stream_rpc_method_handler
+                if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler
+            )
+            handlers[method.name] = make(
+                getattr(servicer, method.name),
+                request_deserializer=request_parser(GetMessageClass(method.input_type)),
+                response_serializer=GetMessageClass(method.output_type).SerializeToString,
+            )
+        generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
+        self.grpc.add_generic_rpc_handlers((generic,))
+        self.grpc.add_registered_method_handlers(service.full_name, handlers)
 
     async def start(self) -> None:
         if self.servicer.fds is not None:
@@ -844,8 +874,9 @@ class Server:
                 grace,
                 sorted(engine.inflight),
             )
-        engine.shutdown()
+        # The watchdog goes first: workers that end on purpose are not a death.
         self.watchdog.stop()
+        engine.shutdown()
         if self.servicer.fds is not None:
             self.servicer.fds.close()
 
