@@ -4,6 +4,7 @@ for white-box checks) or as a `kvsvc serve` subprocess (black-box, failpoints)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -232,3 +233,24 @@ def wait_health(address: str, status: int, limit: float = 30) -> None:
     while health_status(address) != status:
         assert time.monotonic() < end, f"health not {status} after {limit} s"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def truncating(cache: SharedKVCache) -> Iterator[None]:
+    """While the block runs, the owner keeps truncating its region file to one page
+    and giving it its size back (a client that shrinks memory under a copy)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            os.truncate(cache.path, 4096)
+            time.sleep(0.002)
+            os.truncate(cache.path, cache.size)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAYOUTS, SERVING, fill_random, health_status, make_cache, wait_inflight
+from conftest import (
+    LAYOUTS,
+    SERVING,
+    fill_random,
+    health_status,
+    make_cache,
+    truncating,
+    wait_inflight,
+)
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import (
@@ -194,27 +202,12 @@ def test_truncating_a_mapped_region_does_not_kill_the_server(server, client, shm
     fill_random(cache, 3)
     m = client.map("ns", [cache.rank_region()])
     client.store(m, [(b"before", [0, 1])])
-    stop = threading.Event()
-
-    def truncate_loop() -> None:
-        while not stop.is_set():
-            os.truncate(cache.path, 4096)
-            time.sleep(0.002)
-            os.truncate(cache.path, cache.size)
-
-    t = threading.Thread(target=truncate_loop)
-    t.start()
-    errors = 0
-    try:
+    with truncating(cache):
         for i in range(40):
             try:
                 client.store(m, [(b"k%d" % i, [i % 12, (i + 1) % 12])])
             except RegionUnavailable as exc:
                 assert exc.reason == "REGION_TRUNCATED"
-                errors += 1
-    finally:
-        stop.set()
-        t.join()
     os.truncate(cache.path, 0)
     with pytest.raises(RegionUnavailable) as ei:
         client.store(m, [(b"after", [3])])

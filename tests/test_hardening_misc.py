@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import NOT_SERVING, SERVING, ServerThread, health_status, make_cache
+from conftest import NOT_SERVING, SERVING, ServerThread, health_status, make_cache, truncating
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc import health as health_module
@@ -74,25 +74,12 @@ def test_retrieve_while_the_owner_truncates_never_leaves_the_file_grown(
     cache = make_cache(shm_dir, "race", layers=4, seed=3)
     m = client.map("ns", [cache.rank_region()])
     client.store(m, [(b"k", list(range(12)))])
-    stop = threading.Event()
-
-    def truncate_loop() -> None:
-        while not stop.is_set():
-            os.truncate(cache.path, 4096)
-            time.sleep(0.002)
-            os.truncate(cache.path, cache.size)
-
-    t = threading.Thread(target=truncate_loop)
-    t.start()
-    try:
+    with truncating(cache):
         for _ in range(30):
             try:
                 client.retrieve(m, [(b"k", list(range(12)))])
             except RegionUnavailable as exc:
                 assert exc.reason == "REGION_TRUNCATED" and exc.transfer_state == FINISHED
-    finally:
-        stop.set()
-        t.join()
     os.truncate(cache.path, 4096)
     with pytest.raises(RegionUnavailable):
         client.retrieve(m, [(b"k", list(range(12)))])
