@@ -12,15 +12,22 @@ BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
 .PHONY: serve test install proto check-proto lint typecheck buf pytest clients deploy clean
 
+# Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	@test -x $(PY) || { echo "make: creating $(VENV)"; python3 -m venv $(VENV); }
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "make: keeping the torch in $(VENV)"; \
+	  else echo "make: installing $(TORCH_SPEC) into $(VENV) (the slow step: a minute or more)"; \
+	    $(PY) -m pip install $(TORCH_SPEC); fi
+	@echo "make: installing kvsvc and its dev tools into $(VENV) (pip install -e '.[dev]')"
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
+	@echo "make: installed; the kvsvc command is $(VENV)/bin/kvsvc (or: source $(VENV)/bin/activate)"
 
 install: $(VENV)/.installed
 
 serve: install
+	@echo "make serve: $(VENV)/bin/kvsvc serve (Ctrl-C stops it); then, in another terminal:" \
+	  "$(VENV)/bin/kvsvc demo --target 127.0.0.1:50051"
 	$(VENV)/bin/kvsvc serve
 
 test: install lint typecheck check-proto buf pytest clients deploy

@@ -15,7 +15,7 @@ REPO=$PWD
 
 export KVSVC_BIN="${KVSVC_BIN:-$REPO/.venv/bin/kvsvc}"
 if [[ ! -x "$KVSVC_BIN" ]]; then
-  echo "check_clients: $KVSVC_BIN not found: make the Python venv first (make venv / pip install -e .)" >&2
+  echo "check_clients: $KVSVC_BIN not found: make the Python venv first with 'make install' (creates .venv), or set KVSVC_BIN to a kvsvc command" >&2
   exit 1
 fi
 

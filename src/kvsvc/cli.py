@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from kvsvc import __version__
-from kvsvc.config import add_server_arguments, config_from_args
+from kvsvc.config import (
+    ConfigError,
+    add_server_arguments,
+    check_host,
+    check_listen,
+    config_from_args,
+)
 from kvsvc.logs import setup_logging
 
 
@@ -48,15 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        config = config_from_args(args)
-        setup_logging(config.log_level, config.log_format)
         try:
-            from kvsvc.server import serve as run_server
-        except ValueError as exc:  # a bad KVSVC_FAILPOINTS table, read at import
-            print(f"kvsvc serve: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
-            return 2
-
-        return asyncio.run(run_server(config))
+            return _serve(args, serve)
+        except KeyboardInterrupt:  # Ctrl-C before serve() handles signals: nothing made yet
+            return 130
     if args.command == "demo":
         from kvsvc.demo import run_demo
 
@@ -78,3 +79,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Every invalid configuration is one line and exit 2, before anything is made:
+    a bad flag or KVSVC_* value is a usage error; an address that cannot be bound
+    is `kvsvc serve: cannot listen on ...`."""
+    config = config_from_args(args, parser)
+    try:
+        check_host(config)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    try:
+        check_listen(config)
+    except ConfigError as exc:
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    try:
+        from kvsvc.server import serve as run_server
+    except ValueError as exc:  # a bad KVSVC_FAILPOINTS table, read at import
+        print(f"kvsvc serve: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_server(config))
+    except ConfigError as exc:  # the port was taken between the check and the bind
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2

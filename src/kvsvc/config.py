@@ -5,8 +5,10 @@ client's deadline defaults and their validation."""
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -105,13 +107,20 @@ def validate_deadline(value: object, setting: str) -> float:
 
 
 # --- server settings ---
+class ConfigError(Exception):
+    """A setting this host cannot honour (no such directory, no CUDA, a port in
+    use), found before serving: ``kvsvc serve`` prints it as one line, exits 2."""
+
+
+_SIZE_UNITS = {"k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}
+
+
 def _parse_size(text: str) -> int:
     """Bytes from '1073741824', '512MiB', '1GiB', '64M' or '2G'."""
-    units = {"k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}
     s = text.strip().lower().removesuffix("ib").removesuffix("b")
     mult = 1
-    if s and s[-1] in units:
-        mult, s = units[s[-1]], s[:-1]
+    if s and s[-1] in _SIZE_UNITS:
+        mult, s = _SIZE_UNITS[s[-1]], s[:-1]
     try:
         value = int(float(s) * mult)
     except ValueError:
@@ -119,6 +128,15 @@ def _parse_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
     return value
+
+
+def format_size(n: int) -> str:
+    """The shortest form _parse_size reads back exactly: 1073741824 -> '1G'."""
+    for unit in "TGMK":
+        mult = _SIZE_UNITS[unit.lower()]
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
 
 
 def _positive_float(text: str) -> float:
@@ -129,10 +147,60 @@ def _positive_float(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
     return value
+
+
+def _port(text: str) -> int:
+    """0 (pick a free port / off) or 1-65535; grpc would wrap 99999 to 34463."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 1-65535 (or 0), got {text!r}")
+    return value
+
+
+def _listen_address(text: str) -> str:
+    """HOST:PORT ([IPv6]:PORT) or unix:PATH; whether it can be bound is checked later."""
+    if text.startswith("unix:"):
+        if not text.removeprefix("unix:"):
+            raise argparse.ArgumentTypeError("unix: needs a socket path, e.g. unix:/tmp/kvsvc.sock")
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or unix:PATH, got {text!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(
+            f"an IPv6 host goes in brackets ([::1]:50051), got {text!r}"
+        )
+    _port(port)
+    return text
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        for choice in choices:
+            if text.strip().lower() == choice.lower():
+                return choice
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
+
+    return convert
+
+
+def _env_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false (1/0, yes/no, on/off); got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -158,10 +226,12 @@ _HELP = {
     "listen": "address to listen on: HOST:PORT (port 0 picks a free one) or unix:PATH",
     "store_bytes": "chunk store capacity in bytes (suffixes K, M, G; MiB/GiB accepted); "
     "least recently used chunks are evicted beyond it",
-    "shm_dir": "directory holding clients' shared-memory regions; names cannot escape it",
+    "shm_dir": "existing, writable directory holding clients' shared-memory regions; "
+    "names cannot escape it",
     "fd_socket": "unix socket that takes clients' sealed memfds (the fast CPU region kind): "
     "a path, 'auto' (a per-server name in the shm dir) or 'off'",
-    "device": "where mapped regions live: 'cpu', 'cuda', or 'auto' (cuda when available)",
+    "device": "where mapped regions live: 'cpu', 'cuda' (fails at start-up without CUDA), "
+    "or 'auto' (cuda when available)",
     "transfer_threads": "worker threads that run copies off the event loop",
     "shutdown_grace": "seconds that SIGTERM/SIGINT lets in-flight calls finish",
     "stall_timeout": "seconds a copy may run before the server declares itself stalled",
@@ -170,15 +240,20 @@ _HELP = {
     "exit_on_fatal": "exit non-zero after a fatal failure once in-flight copies are fenced",
     "metrics_port": "Prometheus metrics HTTP port (0 = off)",
     "log_format": "'text' or 'json' (one JSON object per line, with request ids)",
-    "log_level": "logging level (DEBUG, INFO, WARNING, ERROR)",
+    "log_level": "logging level: DEBUG, INFO, WARNING or ERROR",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {
+    "listen": _listen_address,
     "store_bytes": _parse_size,
+    "device": _choice("auto", "cpu", "cuda"),
     "transfer_threads": _positive_int,
     "shutdown_grace": _positive_float,
     "stall_timeout": _positive_float,
     "default_deadline": _positive_float,
-    "metrics_port": int,
+    "exit_on_fatal": _env_bool,
+    "metrics_port": _port,
+    "log_format": _choice("text", "json"),
+    "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
 }
 
 
@@ -186,43 +261,143 @@ def env_name(field_name: str) -> str:
     return "KVSVC_" + field_name.upper()
 
 
-def _env_bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+def show_value(field_name: str, value: object) -> str:
+    """A setting as README's table and ``--help`` write it (1G, 10, off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if field_name == "store_bytes" and isinstance(value, int):
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _from_env(field_name: str) -> Any:
+    """The KVSVC_* value of a setting, converted; its default when unset."""
+    env = env_name(field_name)
+    default = ServerConfig.__dataclass_fields__[field_name].default
+    if env not in os.environ:
+        return default
+    conv = _TYPES.get(field_name, str)
+    try:
+        return conv(os.environ[env])
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise ConfigError(f"{env}={os.environ[env]!r}: {exc}") from None
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare one flag per ServerConfig field; the env var is the fallback default."""
+    """Declare one flag per ServerConfig field. A flag left out is None here and
+    falls back to its KVSVC_* variable in config_from_args, so a bad variable is a
+    usage error of `kvsvc serve` only, reported with its name."""
     for f in fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         env = env_name(f.name)
-        help_text = f"{_HELP[f.name]} (env {env}; default %(default)s)"
+        try:
+            shown = show_value(f.name, _from_env(f.name))
+        except ConfigError:
+            shown = f"{show_value(f.name, f.default)}; {env} is invalid"
+        help_text = f"{_HELP[f.name]} (env {env}; default {shown})".replace("%", "%%")
         if f.type in (bool, "bool"):
-            default_b = _env_bool(os.environ[env]) if env in os.environ else f.default
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default_b, help=help_text
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
             continue
         conv: Callable[[str], Any] = _TYPES.get(f.name, str)
-        default = os.environ.get(env, f.default)
-        if isinstance(default, str) and f.name in _TYPES:
+        parser.add_argument(flag, type=conv, default=None, help=help_text)
+
+
+def config_from_args(
+    args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+) -> ServerConfig:
+    """Flags, else KVSVC_* variables, else defaults. A bad variable is
+    parser.error (exit 2 with usage) when a parser is given, else ConfigError."""
+    values: dict[str, Any] = {}
+    for f in fields(ServerConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
             try:
-                default = conv(default)
-            except (argparse.ArgumentTypeError, ValueError) as exc:
-                parser.error(f"{env}: {exc}")
-        parser.add_argument(flag, type=conv, default=default, help=help_text)
-    parser.set_defaults(_config_fields=[f.name for f in fields(ServerConfig)])
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    cfg = ServerConfig(**{name: getattr(args, name) for name in args._config_fields})
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise SystemExit(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
-    if cfg.log_format not in ("text", "json"):
-        raise SystemExit(f"--log-format must be text or json, got {cfg.log_format!r}")
-    return cfg
+                value = _from_env(f.name)
+            except ConfigError as exc:
+                if parser is None:
+                    raise
+                parser.error(str(exc))
+        values[f.name] = value
+    return ServerConfig(**values)
 
 
 def parse_server_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = argparse.ArgumentParser(prog="kvsvc serve")
     add_server_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    return config_from_args(parser.parse_args(argv), parser)
+
+
+# --- checks against this host, before serving ---
+def check_host(config: ServerConfig) -> None:
+    """What the flags name must exist here: a ConfigError naming the flag if not.
+    Without these a server reports SERVING and then times out every Map."""
+    check_shm_dir(config.shm_dir, "--shm-dir")
+    if config.fd_socket not in ("auto", "off"):
+        parent = os.path.dirname(os.path.abspath(config.fd_socket))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"--fd-socket {config.fd_socket}: {parent} is not a writable directory"
+            )
+    if config.listen.startswith("unix:"):
+        parent = os.path.dirname(os.path.abspath(config.listen.removeprefix("unix:")))
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--listen {config.listen}: no such directory {parent}")
+    if config.device == "cuda":
+        import torch  # only here: importing it costs a second or two
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device cuda: CUDA is not available to this torch ({torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu or auto"
+            )
+
+
+def check_shm_dir(path: str, flag: str) -> None:
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.exists(path) else "no such directory"
+        raise ConfigError(f"{flag} {path}: {what}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: not writable by this user")
+
+
+def check_listen(config: ServerConfig) -> None:
+    """Bind what the server will bind, and let go: a port in use or a host that does
+    not resolve becomes one clear line (grpc says only 'Failed to bind', after a
+    C-core log line), before anything is created."""
+    if config.listen.startswith("unix:"):
+        host = "127.0.0.1"  # where the server puts metrics then
+    else:
+        host, _, port = config.listen.rpartition(":")
+        host = host.strip("[]")
+        _check_bindable(config.listen, host, int(port))
+    if config.metrics_port:
+        _check_bindable(f"{host}:{config.metrics_port} (--metrics-port)", host, config.metrics_port)
+
+
+def _check_bindable(what: str, host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"cannot listen on {what}: host {host!r} does not resolve ({exc.strerror})"
+        ) from None
+    bound, first_error = 0, None
+    for family, type_, proto, _, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as s:
+                # As grpc does: a port in TIME_WAIT is free, a listening one is not.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(addr)
+            bound += 1
+        except OSError as exc:
+            # An address family this host lacks (no IPv6) is skipped, as grpc does.
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                raise ConfigError(f"cannot listen on {what}: {exc.strerror}") from None
+            first_error = first_error or exc
+    if not bound:
+        reason = first_error.strerror if first_error else "no address"
+        raise ConfigError(f"cannot listen on {what}: {reason}")

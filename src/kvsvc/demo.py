@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,8 +18,14 @@ from typing import Any
 import torch
 
 from kvsvc.client import KVCacheClient
-from kvsvc.config import ServerConfig
-from kvsvc.errors import DeadlineExceeded, InvalidRequest, KVServiceError, Miss
+from kvsvc.config import ConfigError, ServerConfig, check_shm_dir
+from kvsvc.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    KVServiceError,
+    Miss,
+    ServiceUnavailable,
+)
 from kvsvc.kvcache import SharedKVCache
 
 
@@ -47,13 +54,54 @@ def embedded_server(shm_dir: str) -> Iterator[str]:
 
 
 def run_demo(target: str | None, shm_dir: str) -> int:
-    if target is None:
-        with embedded_server(shm_dir) as address:
-            return _demo(address, shm_dir)
-    return _demo(target, shm_dir)
+    """The demo's exit status. What keeps it from running (no server at --target,
+    one that stopped serving, an unusable shm dir) is one line that says what to do,
+    never a traceback."""
+    try:
+        check_shm_dir(shm_dir, "--shm-dir")
+        if target is None:
+            with embedded_server(shm_dir) as address:
+                return _demo(address, shm_dir)
+        return _demo(target, shm_dir)
+    except (ConfigError, _Stop) as exc:
+        print(f"kvsvc demo: {exc}", file=sys.stderr)
+        return 1
+
+
+class _Stop(Exception):
+    """Ends the demo with one line on stderr."""
 
 
 def _demo(target: str, shm_dir: str) -> int:
+    with KVCacheClient(target) as client:
+        try:
+            info = client.server_info()
+        except (ServiceUnavailable, DeadlineExceeded) as exc:
+            raise _Stop(
+                f"no kvsvc server answers at {target} ({exc.message}). Start one first "
+                "(`make serve`, or `.venv/bin/kvsvc serve`) and wait for its 'serving on' "
+                "line, or leave out --target and the demo starts its own"
+            ) from None
+        if not info.serving:
+            raise _Stop(
+                f"the server at {target} is not serving "
+                f"({info.failure_reason or 'shutting down'}): restart it and run the demo again"
+            )
+        print(
+            f"kvsvc {info.version} at {target}: start id {info.server_start_id[:12]}, "
+            f"store {info.used_bytes >> 20}/{info.capacity_bytes >> 20} MiB, "
+            f"serving={info.serving}"
+        )
+        try:
+            return _steps(client, shm_dir)
+        except KVServiceError as exc:
+            raise _Stop(
+                f"{type(exc).__name__} from the server at {target}: {exc}. "
+                "Check the server's log for this request id"
+            ) from None
+
+
+def _steps(client: KVCacheClient, shm_dir: str) -> int:
     rows: list[tuple[str, str, float]] = []
     ok = True
 
@@ -76,58 +124,58 @@ def _demo(target: str, shm_dir: str) -> int:
 
     tag = f"kvsvc-demo-{os.getpid()}"
     dims = dict(num_layers=4, num_blocks=32, block_size=16, kv_heads=8, head_dim=128)
-    src = SharedKVCache(f"{tag}-src", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
-    dst = SharedKVCache(f"{tag}-dst", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
+    try:
+        src = SharedKVCache(f"{tag}-src", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
+    except OSError as exc:
+        raise _Stop(f"cannot create the demo's KV cache in {shm_dir}: {exc}") from None
+    try:
+        dst = SharedKVCache(f"{tag}-dst", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
+    except OSError as exc:
+        src.close()
+        raise _Stop(f"cannot create the demo's KV cache in {shm_dir}: {exc}") from None
     try:
         for layer in src.layers:
             layer.copy_(torch.randn(layer.shape).to(layer.dtype))
-        with KVCacheClient(target) as client:
-            info = client.server_info()
-            print(
-                f"kvsvc {info.version} at {target}: start id {info.server_start_id[:12]}, "
-                f"store {info.used_bytes >> 20}/{info.capacity_bytes >> 20} MiB, "
-                f"serving={info.serving}"
+        m_src = step("map source cache", lambda: client.map("demo", [src.rank_region()]))
+        m_dst = step("map target cache", lambda: client.map("demo", [dst.rank_region()]))
+        chunks = [(f"{tag}-chunk{i}".encode(), list(range(4 * i, 4 * i + 4))) for i in range(4)]
+        r = step("store 4 chunks x 4 blocks", lambda: client.store(m_src, chunks))
+        rows[-1] = (
+            rows[-1][0],
+            f"{r.stored_chunks} stored, {r.stored_bytes >> 10} KiB",
+            rows[-1][2],
+        )
+        keys = [k for k, _ in chunks]
+        hits = step("lookup", lambda: f"{client.lookup(keys, mapping=m_src)} of 4 present")
+        ok &= hits.startswith("4 ")
+        targets = [(k, [31 - b for b in ids]) for k, ids in chunks]
+        got = step("retrieve into other blocks", lambda: client.retrieve(m_dst, targets))
+        rows[-1] = (rows[-1][0], f"{got.loaded_chunks} loaded", rows[-1][2])
+        exact = all(
+            torch.equal(
+                a.index_select(1, torch.tensor(s_ids)).view(torch.uint8),
+                b.index_select(1, torch.tensor(d_ids)).view(torch.uint8),
             )
-            m_src = step("map source cache", lambda: client.map("demo", [src.rank_region()]))
-            m_dst = step("map target cache", lambda: client.map("demo", [dst.rank_region()]))
-            chunks = [(f"{tag}-chunk{i}".encode(), list(range(4 * i, 4 * i + 4))) for i in range(4)]
-            r = step("store 4 chunks x 4 blocks", lambda: client.store(m_src, chunks))
-            rows[-1] = (
-                rows[-1][0],
-                f"{r.stored_chunks} stored, {r.stored_bytes >> 10} KiB",
-                rows[-1][2],
-            )
-            keys = [k for k, _ in chunks]
-            hits = step("lookup", lambda: f"{client.lookup(keys, mapping=m_src)} of 4 present")
-            ok &= hits.startswith("4 ")
-            targets = [(k, [31 - b for b in ids]) for k, ids in chunks]
-            got = step("retrieve into other blocks", lambda: client.retrieve(m_dst, targets))
-            rows[-1] = (rows[-1][0], f"{got.loaded_chunks} loaded", rows[-1][2])
-            exact = all(
-                torch.equal(
-                    a.index_select(1, torch.tensor(s_ids)).view(torch.uint8),
-                    b.index_select(1, torch.tensor(d_ids)).view(torch.uint8),
-                )
-                for a, b in zip(src.layers, dst.layers, strict=True)
-                for (_, s_ids), (_, d_ids) in zip(chunks, targets, strict=True)
-            )
-            rows.append(("verify bit-exact", "identical" if exact else "MISMATCH", 0.0))
-            ok &= exact and got.loaded_chunks == 4
-            expect(
-                "bad input (block 99)",
-                InvalidRequest,
-                lambda: client.store(m_src, [(b"bad", [99])]),
-            )
-            expect("miss", Miss, lambda: client.get("demo", b"never-stored"))
-            ghost = src.rank_region()
-            ghost.tensors[0].handle.shared_memory.name = f"{tag}-never-created"
-            expect(
-                "deadline (region never appears)",
-                DeadlineExceeded,
-                lambda: client.map("demo", [ghost], timeout=0.2),
-            )
-            ok &= not client.leased_blocks(m_src) and not client.leased_blocks(m_dst)
-            step("unmap both", lambda: (client.unmap(m_src), client.unmap(m_dst)) and "ok")
+            for a, b in zip(src.layers, dst.layers, strict=True)
+            for (_, s_ids), (_, d_ids) in zip(chunks, targets, strict=True)
+        )
+        rows.append(("verify bit-exact", "identical" if exact else "MISMATCH", 0.0))
+        ok &= exact and got.loaded_chunks == 4
+        expect(
+            "bad input (block 99)",
+            InvalidRequest,
+            lambda: client.store(m_src, [(b"bad", [99])]),
+        )
+        expect("miss", Miss, lambda: client.get("demo", b"never-stored"))
+        ghost = src.rank_region()
+        ghost.tensors[0].handle.shared_memory.name = f"{tag}-never-created"
+        expect(
+            "deadline (region never appears)",
+            DeadlineExceeded,
+            lambda: client.map("demo", [ghost], timeout=0.2),
+        )
+        ok &= not client.leased_blocks(m_src) and not client.leased_blocks(m_dst)
+        step("unmap both", lambda: (client.unmap(m_src), client.unmap(m_dst)) and "ok")
     finally:
         src.close()
         dst.close()

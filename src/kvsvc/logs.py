@@ -8,6 +8,7 @@ import contextvars
 import json
 import logging
 import sys
+from datetime import datetime, timezone
 
 #: The request being handled in the current task; "" outside a request.
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvsvc_request_id", default="")
@@ -20,10 +21,16 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+def iso_time(created: float) -> str:
+    """ISO-8601 in UTC with its offset and milliseconds (2026-01-02T03:04:05.678+00:00),
+    which log pipelines parse without guessing the server's time zone."""
+    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds")
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": self.formatTime(record),
+            "ts": iso_time(record.created),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),

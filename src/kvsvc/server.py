@@ -28,6 +28,7 @@ from kvsvc import __version__, failpoints, fdpass
 from kvsvc.config import (
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
+    ConfigError,
     ServerConfig,
     server_options,
 )
@@ -805,9 +806,19 @@ class Server:
             ),
             self.grpc,
         )
-        self.port = self.grpc.add_insecure_port(config.listen)
-        if self.port == 0 and not config.listen.startswith("unix:"):
-            raise OSError(f"cannot listen on {config.listen}")
+        try:
+            self.port = self.grpc.add_insecure_port(config.listen)
+            if self.port == 0 and not config.listen.startswith("unix:"):
+                raise RuntimeError("no address bound")
+        except RuntimeError:  # grpc's bare 'Failed to bind' (its C core logs why)
+            # The servicer made the fd socket and worker threads: leave nothing behind.
+            if self.servicer.fds is not None:
+                self.servicer.fds.close()
+            self.servicer.engine.shutdown()
+            raise ConfigError(
+                f"cannot listen on {config.listen}: grpc could not bind it "
+                "(a port in use, a host that does not resolve, a missing directory?)"
+            ) from None
         host = config.listen.rsplit(":", 1)[0]
         self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
 
@@ -884,12 +895,14 @@ class Server:
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0 after a graceful drain), or, with
     --exit-on-fatal, until a fatal failure (exit 3 once copies are fenced)."""
-    server = Server(config)
-    await server.start()
+    # Signals first: one that comes while the server starts stops it cleanly once
+    # started, instead of leaving its fd socket behind.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    server = Server(config)
+    await server.start()
     waits = [asyncio.ensure_future(stop.wait())]
     if config.exit_on_fatal:
         waits.append(asyncio.ensure_future(server.health.fatal_event.wait()))
