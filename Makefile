@@ -39,7 +39,7 @@ proto: install
 # Regenerate into a temp dir; fail if the committed code drifted from proto/.
 check-proto: install
 	@tmp=$$(mktemp -d) && PATH=$(VENV)/bin:$$PATH ./scripts/gen_proto.sh $$tmp >/dev/null && \
-	  diff -r -x __init__.py -x __pycache__ $$tmp/kvsvc/v1 src/kvsvc/v1 && \
+	  diff -r -x __init__.py -x __pycache__ $$tmp/kvsvc/v1 kvsvc/v1 && \
 	  echo "generated code matches proto/" && rm -rf $$tmp
 
 lint: install

@@ -41,15 +41,15 @@ WELL_UNDER = 0.5  # "p99 well under LMCache's gRPC transport": at most half of i
 
 
 def git_state() -> str:
-    """The commit measured, and whether src/ differs from it (read-only git)."""
+    """The commit measured, and whether kvsvc/ differs from it (read-only git)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                               capture_output=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=REPO, text=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "kvsvc"], cwd=REPO, text=True,
                                capture_output=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return f"{head}{' with uncommitted changes in src/' if dirty else ''}"
+    return f"{head}{' with uncommitted changes in kvsvc/' if dirty else ''}"
 
 
 # --- 3 + 4: the fault benchmark, another script ---

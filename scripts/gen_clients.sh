@@ -5,7 +5,7 @@
 #            and protoc-gen-go-grpc (packages protobuf-compiler, protoc-gen-go,
 #            protoc-gen-go-grpc, libprotobuf-dev for google/protobuf/*.proto).
 #   Node.js: nothing to generate: @grpc/proto-loader loads proto/ at run time.
-#   Python:  scripts/gen_proto.sh (src/kvsvc/v1).
+#   Python:  scripts/gen_proto.sh (kvsvc/v1).
 #
 # Usage: scripts/gen_clients.sh [ROOT]
 #   ROOT stands for the repository root in the output paths (default: the

@@ -1,6 +1,6 @@
 """The fault matrix: every injected failure ends in a typed client exception,
 never in silence or a hang, against a real `kvsvc serve` subprocess. Faults are
-injected with KVSVC_FAILPOINTS (src/kvsvc/failpoints.py), signals and a
+injected with KVSVC_FAILPOINTS (kvsvc/failpoints.py), signals and a
 client that truncates its own region; a soak runs many clients against a
 server that fails ~1% of requests."""
 

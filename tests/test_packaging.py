@@ -1,9 +1,12 @@
 """The runtime floors in pyproject.toml are never older than the generator that
-made src/kvsvc/v1 (an older runtime refuses, or worse, misreads, newer code)."""
+made kvsvc/v1 (an older runtime refuses, or worse, misreads, newer code)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 from conftest import REPO
@@ -22,7 +25,7 @@ def test_runtime_floors_cover_the_generated_code() -> None:
     deps = re.findall(
         r'^\s*"([^"]+)",', text.split("dependencies = [", 1)[1].split("]", 1)[0], re.M
     )
-    gen = Path(REPO / "src/kvsvc/v1")
+    gen = Path(REPO / "kvsvc/v1")
     grpc_gen = re.search(
         r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (gen / "kv_cache_service_pb2_grpc.py").read_text()
     )
@@ -34,3 +37,24 @@ def test_runtime_floors_cover_the_generated_code() -> None:
     assert _floor(deps, "grpcio") >= as_tuple(grpc_gen.group(1))
     assert _floor(deps, "grpcio-health-checking") >= as_tuple(grpc_gen.group(1))
     assert _floor(deps, "protobuf") >= as_tuple(pb_gen.group(1))
+
+
+def test_the_wheel_holds_the_package_and_nothing_beside_it(tmp_path: Path) -> None:
+    """The package sits at the repository root beside benchmarks/, tests/ and tools/:
+    the wheel must hold exactly kvsvc/ (its modules, generated code and stubs)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("kvsvc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = {n for n in names if not n.startswith("kvsvc-")}
+    expected = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "kvsvc").rglob("*")
+        if p.suffix in (".py", ".pyi", ".typed") and "__pycache__" not in p.parts
+    }
+    assert package == expected
+    assert {"kvsvc/py.typed", "kvsvc/v1/kv_cache_service_pb2.pyi"} <= package
+    assert not {n for n in names if n.split("/")[0] in ("benchmarks", "tests", "tools")}

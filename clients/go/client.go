@@ -27,7 +27,7 @@ const (
 	DefaultControlTimeout = 5 * time.Second
 	// HealthServiceName is the grpc.health.v1 name of the service ("" is the whole server).
 	HealthServiceName = "kvsvc.v1.KVCacheService"
-	// maxMessageBytes is the server's limit too (src/kvsvc/config.py).
+	// maxMessageBytes is the server's limit too (kvsvc/config.py).
 	maxMessageBytes = 256 << 20
 )
 

@@ -1,6 +1,6 @@
 package kvsvc
 
-// The error contract of kvsvc, mirrored from src/kvsvc/errors.py: one type per
+// The error contract of kvsvc, mirrored from kvsvc/errors.py: one type per
 // way a caller reacts. Every error this package returns for a failed call is
 // one of the class types below (each embeds *KVServiceError), and errors.As
 // follows the Python hierarchy: an *UnsupportedRequest is also an

@@ -1,6 +1,6 @@
 package kvsvc
 
-// The envelope/transport -> class mapping, mirrored from src/kvsvc/errors.py.
+// The envelope/transport -> class mapping, mirrored from kvsvc/errors.py.
 
 import (
 	"errors"

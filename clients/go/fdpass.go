@@ -3,7 +3,7 @@
 package kvsvc
 
 // Passing a sealed memfd to the server's fd socket (the fast CPU region kind):
-// the client side of src/kvsvc/fdpass.py. Connect a SOCK_SEQPACKET socket to
+// the client side of kvsvc/fdpass.py. Connect a SOCK_SEQPACKET socket to
 // GetServerInfoResult.fd_socket, send fdMagic with exactly one fd in
 // SCM_RIGHTS, and read one reply: 0x00 then the token, or 0x01 then a
 // serialized RemoteError.

@@ -1,5 +1,5 @@
 'use strict';
-// The error contract of kvsvc, mirrored from src/kvsvc/errors.py: one class per
+// The error contract of kvsvc, mirrored from kvsvc/errors.py: one class per
 // way a caller reacts, each declaring only its gRPC code and reason. A
 // RemoteError envelope (the `error` arm of every response's `outcome`) and a
 // transport failure both become one of these classes.

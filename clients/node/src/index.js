@@ -16,7 +16,7 @@ const DEFAULT_TRANSFER_DEADLINE_S = 30;
 const DEFAULT_CONTROL_DEADLINE_S = 5;
 const HEALTH_SERVICE_NAME = 'kvsvc.v1.KVCacheService';
 const MiB = 1 << 20;
-// The same limits as the server (src/kvsvc/config.py channel_options).
+// The same limits as the server (kvsvc/config.py channel_options).
 const CHANNEL_OPTIONS = {
   'grpc.max_send_message_length': 256 * MiB,
   'grpc.max_receive_message_length': 256 * MiB,

@@ -1,5 +1,5 @@
 'use strict';
-// The envelope/transport -> class mapping, mirrored from src/kvsvc/errors.py.
+// The envelope/transport -> class mapping, mirrored from kvsvc/errors.py.
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const kv = require('../src');
