@@ -12,7 +12,7 @@ other (gRPC core) threads per call, from /proc:
 5. ``kvsvc``: kvsvc's server as shipped.
 
 Servers are measured in alternating rounds. The patches touch private
-attributes of kvsvc.server; if they no longer exist the rung fails loudly.
+attributes of kvsvc.lifecycle and kvsvc.server; if they no longer exist the rung fails loudly.
 
     python -m benchmarks.lookup_cost [--seconds 4] [--rounds 2] [--concurrency 8]
 """
@@ -68,7 +68,7 @@ async def _serve_proto() -> None:
 
 
 async def _serve_kvsvc(rung: str) -> None:
-    from kvsvc import server as kv_server
+    from kvsvc import lifecycle as kv_server
     from kvsvc.config import ServerConfig
 
     class _NoMetric:

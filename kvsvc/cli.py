@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     setup_logging(config.log_level, config.log_format)
     try:
-        from kvsvc.server import serve as run_server
+        from kvsvc.lifecycle import serve as run_server
     except ValueError as exc:  # a bad KVSVC_FAILPOINTS table, read at import
         print(f"kvsvc serve: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from kvsvc.kvcache import SharedKVCache
 @contextmanager
 def embedded_server(shm_dir: str) -> Iterator[str]:
     """A server on 127.0.0.1 in a background thread, for a demo with no --target."""
-    from kvsvc.server import Server
+    from kvsvc.lifecycle import Server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvsvc.fdpass import make_sealed_memfd
-from kvsvc.regions import DTYPE_CODES
+from kvsvc.layout import dtype_code
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 
@@ -26,9 +26,10 @@ def rank_context(
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    if dtype not in DTYPE_CODES:
-        raise ValueError(f"dtype {dtype} is not supported by kvsvc")
-    return DTYPE_CODES[dtype]
+    try:
+        return dtype_code(str(dtype))
+    except ValueError:
+        raise ValueError(f"dtype {dtype} is not supported by kvsvc") from None
 
 
 class SharedKVCache:

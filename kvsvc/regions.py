@@ -1,10 +1,7 @@
-"""Mapped KV regions: validating an engine's tensor descriptions, opening its
-memory (shared-memory files or CUDA IPC), and the copies between its blocks
-and a chunk's bytes in the store.
-
-A chunk's bytes are, for each rank and each tensor in mapping order, the
-contiguous bytes of ``tensor.index_select(block_dim, block_ids)``; CPU and CUDA
-regions produce the same bytes for the same layout.
+"""Opening and holding an engine's memory: a shared-memory file under --shm-dir,
+a sealed memfd passed over the fd socket, or a CUDA allocation from its IPC
+handle. Regions only open, check and release memory and move one byte range;
+copy plans and checksums are kvsvc.copies', tensor layouts kvsvc.layout's.
 
 Shared-memory files are copied with ``preadv``/``pwritev`` on the file, not
 through ``mmap``: a client that truncates its file then causes a short read
@@ -16,214 +13,30 @@ torch slice copy costs several: runs are as small as one block of one layer).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import functools
-import hashlib
-import itertools
-import json
-import math
 import mmap
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from kvsvc.errors import CudaUnavailable, InvalidRequest, RegionUnavailable
+from kvsvc.errors import InvalidRequest, RegionUnavailable
 from kvsvc.fdpass import FdBroker, exited
+from kvsvc.layout import (
+    HandleKey,
+    HandleKind,
+    TensorLayout,
+    handle_identity,
+    layout_fingerprint,
+    no_cuda,
+    parse_rank,
+    rank_label,
+    rank_metadata,
+)
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-DTYPES: dict[int, torch.dtype] = {
-    pb.DTYPE_FLOAT16: torch.float16,
-    pb.DTYPE_BFLOAT16: torch.bfloat16,
-    pb.DTYPE_FLOAT32: torch.float32,
-    pb.DTYPE_UINT8: torch.uint8,
-    pb.DTYPE_INT8: torch.int8,
-    pb.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
-    pb.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
-}
-DTYPE_CODES: dict[torch.dtype, int] = {v: k for k, v in DTYPES.items()}
-MAX_DIMS = 8
-
-
-def rank_metadata(ctx: pb.RankContext, index: int) -> dict[str, object]:
-    """The context every rank-level error carries (kvcached's lesson: name the rank)."""
-    return {
-        "rankIndex": index,
-        "tpRank": ctx.tp_rank,
-        "tpSize": ctx.tp_size,
-        "ppRank": ctx.pp_rank,
-        "ppSize": ctx.pp_size,
-        "groupId": ctx.group_id,
-    }
-
-
-def rank_label(ctx: pb.RankContext, index: int) -> str:
-    """How every message names a rank: by its ranks, with its place in the request
-    second (an entry's position is not its tp_rank)."""
-    return f"tp_rank={ctx.tp_rank} pp_rank={ctx.pp_rank} group_id={ctx.group_id!r} (ranks[{index}])"
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """One validated KV tensor: a strided view on a handle, blocks along ``block_dim``."""
-
-    name: str
-    handle_key: str
-    offset: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: torch.dtype
-    block_dim: int
-    elsize: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.elsize:
-            object.__setattr__(self, "elsize", self.dtype.itemsize)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.shape[self.block_dim]
-
-    @property
-    def block_bytes(self) -> int:
-        return math.prod(self.shape) // self.shape[self.block_dim] * self.elsize
-
-    @property
-    def end_bytes(self) -> int:
-        """One past the last byte the view can touch."""
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
-        return self.offset + (last + 1) * self.elsize
-
-    def signature(self) -> list[object]:
-        block_shape = [n for i, n in enumerate(self.shape) if i != self.block_dim]
-        return [str(self.dtype), self.block_dim, block_shape]
-
-    @functools.cached_property
-    def _template(self) -> tuple[list[int], int, list[int], int, bool]:
-        """The tensor's geometry for ``runs``, computed once: byte offsets of the dims
-        before the block dim, the block stride, offsets of the dims between the
-        block dim and the contiguous tail, the tail's length, and whether whole
-        blocks are adjacent (then consecutive ids make one run)."""
-        el = self.elsize
-        ndim = len(self.shape)
-        k, expected = ndim, 1
-        for i in reversed(range(ndim)):
-            if i == self.block_dim or self.strides[i] != expected:
-                break
-            expected *= self.shape[i]
-            k = i
-        run_len = math.prod(self.shape[k:]) * el
-
-        def offsets(dims: range) -> list[int]:
-            axes = [[j * self.strides[i] * el for j in range(self.shape[i])] for i in dims]
-            return [sum(parts) for parts in itertools.product(*axes)]
-
-        outers = [self.offset + o for o in offsets(range(self.block_dim))]
-        inners = offsets(range(self.block_dim + 1, k))
-        stride = self.strides[self.block_dim] * el
-        return outers, stride, inners, run_len, inners == [0] and stride == run_len
-
-    def runs(self, block_ids: list[int]) -> Iterator[tuple[int, int]]:
-        """(byte offset in the handle, length) of each contiguous run, in chunk order."""
-        outers, stride, inners, run_len, adjacent = self._template
-        if adjacent:
-            groups: list[list[int]] = []
-            for b in block_ids:
-                if groups and groups[-1][0] + groups[-1][1] == b:
-                    groups[-1][1] += 1
-                else:
-                    groups.append([b, 1])
-            for base in outers:
-                for first, count in groups:
-                    yield base + first * stride, count * run_len
-            return
-        for base in outers:
-            for b in block_ids:
-                at = base + b * stride
-                for inner in inners:
-                    yield at + inner, run_len
-
-
-def handle_identity(h: pb.MemoryHandle) -> tuple[str, int]:
-    """(key naming the memory, bytes its tensors may reach) of a set handle."""
-    kind = h.WhichOneof("kind")
-    if kind == "shared_memory":
-        return "shm:" + h.shared_memory.name, h.shared_memory.size_bytes
-    if kind == "sealed_memfd":
-        return "memfd:" + h.sealed_memfd.token, h.sealed_memfd.size_bytes
-    c = h.cuda_ipc
-    return f"cuda:{c.device_uuid}:{c.ipc_handle.hex()}:{c.storage_offset_bytes}", (
-        c.storage_size_bytes
-    )
-
-
-def parse_tensor(t: pb.KVTensor, ctx: pb.RankContext, rank: int) -> TensorLayout:
-    """Validate a tensor description; every fault is INVALID_ARGUMENT with the rank
-    (tp/pp rank, group) and the layer named."""
-    label = t.name or "tensor"
-    where = f"{rank_label(ctx, rank)} layer {label!r}"
-    context = {**rank_metadata(ctx, rank), "layer": label}
-
-    def bad(msg: str) -> InvalidRequest:
-        return InvalidRequest(f"{where}: {msg}", metadata=context)
-
-    if t.dtype not in DTYPES:
-        raise bad(f"unsupported dtype {t.dtype}")
-    ndim = len(t.shape)
-    if not 1 <= ndim <= MAX_DIMS:
-        raise bad(f"shape must have 1..{MAX_DIMS} dims, got {ndim}")
-    if len(t.strides) != ndim:
-        raise bad(f"strides has {len(t.strides)} entries for {ndim} dims")
-    if any(n <= 0 for n in t.shape):
-        raise bad(f"shape entries must be > 0, got {list(t.shape)}")
-    if any(s < 0 for s in t.strides):
-        raise bad(f"strides must be >= 0, got {list(t.strides)}")
-    if t.strides[-1] != 1:
-        raise bad("the innermost stride must be 1")
-    if t.block_dim >= ndim:
-        raise bad(f"block_dim {t.block_dim} out of range for {ndim} dims")
-    if t.handle.WhichOneof("kind") is None:
-        raise bad("memory handle is not set")
-    if t.handle.WhichOneof("kind") == "cuda_ipc" and not torch.cuda.is_available():
-        # Before the bounds check: its sizes mean nothing here, the device does.
-        raise no_cuda({"layer": label})  # Map adds the rank context
-    handle_key, handle_size = handle_identity(t.handle)
-    layout = TensorLayout(
-        label,
-        handle_key,
-        t.offset_bytes,
-        tuple(t.shape),
-        tuple(t.strides),
-        DTYPES[t.dtype],
-        t.block_dim,
-    )
-    if layout.offset % layout.elsize:
-        raise bad(f"offset {layout.offset} is not a multiple of the element size")
-    if layout.end_bytes > handle_size:
-        raise InvalidRequest(
-            f"{where}: shape x strides x dtype reaches byte {layout.end_bytes}, "
-            f"beyond the handle's {handle_size} bytes",
-            reason="TENSOR_OUT_OF_BOUNDS",
-            metadata={
-                **context,
-                "endBytes": layout.end_bytes,
-                "handleBytes": handle_size,
-            },
-        )
-    return layout
-
-
-def no_cuda(metadata: dict[str, object]) -> CudaUnavailable:
-    return CudaUnavailable(
-        "a CUDA IPC handle was sent to a server that has no CUDA device: map CPU memory "
-        "(a sealed memfd or a shared-memory file) or use a server on a GPU host",
-        metadata=metadata,
-    )
 
 
 def safe_shm_path(shm_dir: str, name: str) -> str:
@@ -442,7 +255,7 @@ class CudaRegion:
         torch.cuda.synchronize(self.device)
 
     def view(self, t: TensorLayout) -> torch.Tensor:
-        base = torch.empty(0, dtype=t.dtype, device=self.device)
+        base = torch.empty(0, dtype=getattr(torch, t.dtype_name), device=self.device)
         return base.set_(self.storage, t.offset // t.elsize, t.shape, t.strides)
 
     def synchronize(self) -> None:
@@ -463,7 +276,7 @@ HostRegion = ShmRegion | MemfdRegion
 class RankMapping:
     context: pb.RankContext
     tensors: list[TensorLayout]
-    regions: dict[str, Region]
+    regions: dict[HandleKey, Region]
 
     def close(self) -> None:
         for region in self.regions.values():
@@ -471,39 +284,18 @@ class RankMapping:
 
 
 def open_rank(
-    rank: pb.RankRegion,
-    index: int,
-    shm_dir: str,
-    cuda_handles: dict[str, pb.CudaIpcHandle],
-    fds: FdBroker | None = None,
+    rank: pb.RankRegion, index: int, shm_dir: str, fds: FdBroker | None = None
 ) -> RankMapping:
-    """Validate and open one rank's regions; raises with the rank named."""
-    if not rank.tensors:
-        raise InvalidRequest(
-            f"{rank_label(rank.context, index)} has no tensors",
-            metadata=rank_metadata(rank.context, index),
-        )
-    tensors = [parse_tensor(t, rank.context, index) for t in rank.tensors]
-    blocks = {t.num_blocks for t in tensors}
-    if len(blocks) != 1:
-        raise InvalidRequest(
-            f"{rank_label(rank.context, index)}: tensors disagree on the number of blocks "
-            f"{sorted(blocks)}",
-            metadata=rank_metadata(rank.context, index),
-        )
-    need: dict[str, int] = {}
+    """Validate and open one rank's regions (all or none); raises with the rank named."""
+    tensors = parse_rank(rank, index, cuda=torch.cuda.is_available())
+    need: dict[HandleKey, tuple[int, pb.MemoryHandle]] = {}
     for t in rank.tensors:
         key, declared = handle_identity(t.handle)
-        need[key] = max(need.get(key, 0), declared)
-    regions: dict[str, Region] = {}
+        need[key] = (max(need.get(key, (0, t.handle))[0], declared), t.handle)
+    regions: dict[HandleKey, Region] = {}
     try:
-        for key, nbytes in need.items():
-            if key.startswith("shm:"):
-                regions[key] = ShmRegion(shm_dir, key[4:], nbytes)
-            elif key.startswith("memfd:"):
-                regions[key] = MemfdRegion(fds, key[6:], nbytes)
-            else:
-                regions[key] = CudaRegion(cuda_handles[key], nbytes)
+        for key, (nbytes, handle) in need.items():
+            regions[key] = _open_region(key, handle, nbytes, shm_dir, fds)
     except BaseException:
         for region in regions.values():
             region.close()
@@ -511,30 +303,42 @@ def open_rank(
     return RankMapping(rank.context, tensors, regions)
 
 
-def cuda_handles_of(rank: pb.RankRegion) -> dict[str, pb.CudaIpcHandle]:
-    return {
-        handle_identity(t.handle)[0]: t.handle.cuda_ipc
-        for t in rank.tensors
-        if t.handle.WhichOneof("kind") == "cuda_ipc"
-    }
+def check_ranks_agree(ranks: list[RankMapping]) -> None:
+    """One mapping is one memory kind and one number of blocks; the first rank that
+    differs from ranks[0] is named like every other rank error."""
+    first = ranks[0]
+    first_cuda = any(isinstance(r, CudaRegion) for r in first.regions.values())
+    first_blocks = first.tensors[0].num_blocks
+    for index, rank in enumerate(ranks[1:], start=1):
+        label, context = rank_label(rank.context, index), rank_metadata(rank.context, index)
+        if any(isinstance(r, CudaRegion) for r in rank.regions.values()) != first_cuda:
+            raise InvalidRequest(
+                f"{label}: a mapping's ranks must all be shared memory or all CUDA, "
+                f"and {rank_label(first.context, 0)} is not of the same kind",
+                reason="MIXED_REGION_KINDS",
+                metadata=context,
+            )
+        if rank.tensors[0].num_blocks != first_blocks:
+            raise InvalidRequest(
+                f"{label}: ranks disagree on the number of blocks: {rank.tensors[0].num_blocks} "
+                f"here, {first_blocks} in {rank_label(first.context, 0)}",
+                reason="RANK_BLOCKS_DISAGREE",
+                metadata={
+                    **context,
+                    "numBlocks": rank.tensors[0].num_blocks,
+                    "expectedBlocks": first_blocks,
+                },
+            )
 
 
-def layout_fingerprint(ranks: list[RankMapping]) -> str:
-    sig = [
-        [
-            [r.context.tp_rank, r.context.tp_size, r.context.pp_rank, r.context.pp_size],
-            [t.signature() for t in r.tensors],
-        ]
-        for r in ranks
-    ]
-    return hashlib.sha256(json.dumps(sig).encode()).hexdigest()[:16]
-
-
-@dataclass
-class CopyPlan:
-    block_ids: list[int]
-    ops: list[tuple[HostRegion, int, int, int]]
-    starts: list[int]  # chunk offset of each op, for bisect
+def _open_region(
+    key: HandleKey, handle: pb.MemoryHandle, nbytes: int, shm_dir: str, fds: FdBroker | None
+) -> Region:
+    if key.kind is HandleKind.SHM:
+        return ShmRegion(shm_dir, key.ident, nbytes)
+    if key.kind is HandleKind.MEMFD:
+        return MemfdRegion(fds, key.ident, nbytes)
+    return CudaRegion(handle.cuda_ipc, nbytes)
 
 
 @dataclass
@@ -549,6 +353,22 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
+
+    @classmethod
+    def of(
+        cls, mapping_id: str, namespace: str, descriptor: bytes, ranks: list[RankMapping]
+    ) -> Mapping:
+        """The mapping of opened ranks that agree (see check_ranks_agree)."""
+        check_ranks_agree(ranks)
+        return cls(
+            mapping_id=mapping_id,
+            namespace=namespace,
+            descriptor=descriptor,
+            ranks=ranks,
+            num_blocks=ranks[0].tensors[0].num_blocks,
+            block_bytes=sum(t.block_bytes for r in ranks for t in r.tensors),
+            fingerprint=layout_fingerprint([(r.context, r.tensors) for r in ranks]),
+        )
 
     def is_current(self) -> bool:
         """Every shm region's name still names the file we hold open (a restarted
@@ -589,89 +409,3 @@ class Mapping:
         for rank in self.ranks:
             for region in rank.regions.values():
                 region.synchronize()
-
-    # --- copies (run on transfer threads) ---
-    def plan(self, block_ids: list[int]) -> CopyPlan:
-        """The copy of one chunk: merged (region, region offset, chunk offset, length)
-        runs in chunk order (shared memory), or the block ids (CUDA)."""
-        if self.is_cuda:
-            return CopyPlan(block_ids, [], [])
-        ops: list[tuple[HostRegion, int, int, int]] = []
-        pos = 0
-        last: HostRegion | None = None
-        last_end = -1
-        for rank in self.ranks:
-            for t in rank.tensors:
-                region = rank.regions[t.handle_key]
-                assert not isinstance(region, CudaRegion)
-                for off, n in t.runs(block_ids):
-                    if region is last and off == last_end:  # contiguous: extend the run
-                        r, o, p, m = ops[-1]
-                        ops[-1] = (r, o, p, m + n)
-                    else:
-                        ops.append((region, off, pos, n))
-                    last, last_end = region, off + n
-                    pos += n
-        return CopyPlan(block_ids, ops, [op[2] for op in ops])
-
-    def copy_range(
-        self, plan: CopyPlan, buf: memoryview, addr: int, lo: int, hi: int, *, to_store: bool
-    ) -> int:
-        """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
-        store, at address ``addr``); returns the xxh3 of those chunk bytes, hashed
-        right after the copy while they are still in cache. (On a Retrieve the blocks
-        are written before the check: a mismatch fails the call with DATA_LOSS, so
-        the engine never uses them.)"""
-        ops = plan.ops
-        i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
-        files: set[ShmRegion] = set()
-        if not to_store:  # a write must not re-grow a truncated file
-            files = {
-                op[0]
-                for op in ops[i : bisect.bisect_left(plan.starts, hi)]
-                if isinstance(op[0], ShmRegion)
-            }
-            for f in files:
-                f.check_size()
-        while i < len(ops) and ops[i][2] < hi:
-            region, off, pos, n = ops[i]
-            a, b = max(lo, pos), min(hi, pos + n)
-            if a < b:
-                if to_store:
-                    region.read(off + (a - pos), buf, addr, a, b)
-                else:
-                    region.write(off + (a - pos), buf, addr, a, b)
-            i += 1
-        for f in files:
-            f.check_size()
-        return xxhash.xxh3_64_intdigest(buf[lo:hi])
-
-    def copy_cuda(self, plan: CopyPlan, host: torch.Tensor, *, to_store: bool) -> None:
-        """Copy a whole chunk between CUDA blocks and its bytes in the pinned store
-        (``host``: a slice of the store's pinned tensor, so copies are async DMA)."""
-        self._cuda_copy(plan.block_ids, host, to_store=to_store)
-
-    def _cuda_copy(self, block_ids: list[int], host: torch.Tensor, *, to_store: bool) -> None:
-        pos = 0
-        used: list[CudaRegion] = []
-        for rank in self.ranks:
-            for t in rank.tensors:
-                region = rank.regions[t.handle_key]
-                assert isinstance(region, CudaRegion)
-                torch.cuda.set_device(region.device)
-                view = region.view(t)
-                idx = torch.tensor(block_ids, dtype=torch.long, device=region.device)
-                n = t.block_bytes * len(block_ids)
-                out_shape = list(t.shape)
-                out_shape[t.block_dim] = len(block_ids)
-                part = host[pos : pos + n].view(t.dtype).view(out_shape)
-                with torch.cuda.stream(region.stream):
-                    if to_store:
-                        part.copy_(view.index_select(t.block_dim, idx), non_blocking=True)
-                    else:
-                        staged = part.to(region.device, non_blocking=True)
-                        view.index_copy_(t.block_dim, idx, staged)
-                used.append(region)
-                pos += n
-        for region in used:
-            region.stream.synchronize()

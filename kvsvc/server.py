@@ -1,6 +1,7 @@
-"""The kvsvc server: a grpc.aio servicer whose every RPC goes through one
-wrapper that validates, dispatches and turns any exception into a RemoteError,
-plus health, reflection, signals and graceful shutdown."""
+"""RPC handling: a grpc.aio servicer whose every RPC goes through one wrapper
+that validates, dispatches and turns any exception into a RemoteError. Handlers
+validate, pick each chunk's engine side (kvsvc.copies), reserve in the store and
+hand the copy to the transfer engine. Start, signals and stop: kvsvc.lifecycle."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -19,19 +18,14 @@ from typing import Any, TypeVar
 import grpc
 import torch
 from google.protobuf import timestamp_pb2
-from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, failpoints, fdpass
 from kvsvc.config import (
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
-    ConfigError,
     ServerConfig,
-    server_options,
 )
+from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
 from kvsvc.errors import (
     ENVELOPE_VERSION,
     FINISHED,
@@ -42,31 +36,20 @@ from kvsvc.errors import (
     FatalServerError,
     InvalidRequest,
     KVServiceError,
-    LayoutMismatch,
     MalformedRequest,
     MappingLost,
     RegionUnavailable,
     Unparsed,
     UnsupportedRequest,
-    request_parser,
     to_remote_error,
 )
-from kvsvc.health import Health, Watchdog
+from kvsvc.health import Health
 from kvsvc.ids import new_request_id
+from kvsvc.layout import rank_label, rank_metadata
 from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
-from kvsvc.regions import (
-    CopyPlan,
-    CudaRegion,
-    Mapping,
-    RankMapping,
-    cuda_handles_of,
-    layout_fingerprint,
-    open_rank,
-    rank_label,
-    rank_metadata,
-)
-from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore, checksum, segments
+from kvsvc.regions import Mapping, RankMapping, open_rank
+from kvsvc.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
@@ -74,8 +57,6 @@ from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 log = logging.getLogger("kvsvc.server")
 R = TypeVar("R")
 MAP_RETRY_S = 0.02
-PARALLEL_MIN_BYTES = 4 << 20
-STOP_GRACE_S = 0.5
 
 
 class Call:
@@ -317,23 +298,15 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
+        self._mapping_seq += 1
         try:
-            _check_ranks_agree(ranks)
+            mapping = Mapping.of(
+                f"{self.start_id[:8]}-{self._mapping_seq}", request.namespace, descriptor, ranks
+            )
         except BaseException:
             for opened in ranks:
                 opened.close()
             raise
-        blocks = {r.tensors[0].num_blocks for r in ranks}
-        self._mapping_seq += 1
-        mapping = Mapping(
-            mapping_id=f"{self.start_id[:8]}-{self._mapping_seq}",
-            namespace=request.namespace,
-            descriptor=descriptor,
-            ranks=ranks,
-            num_blocks=blocks.pop(),
-            block_bytes=sum(t.block_bytes for r in ranks for t in r.tensors),
-            fingerprint=layout_fingerprint(ranks),
-        )
         # Make the mapping visible on the device before the reply.
         await asyncio.to_thread(mapping.synchronize)
         self.mappings[mapping.mapping_id] = mapping
@@ -358,12 +331,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     async def _open_rank(self, rank: pb.RankRegion, index: int, call: Call) -> RankMapping:
         """Open one rank, retrying a region that is not ready until the deadline."""
-        handles = cuda_handles_of(rank)
         while True:
             attempt = time.monotonic()
             try:
                 return await asyncio.to_thread(
-                    open_rank, rank, index, self.config.shm_dir, handles, self.fds
+                    open_rank, rank, index, self.config.shm_dir, self.fds
                 )
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc
@@ -404,48 +376,44 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         log.info("mapping %s %s (%d copies fenced)", mapping.mapping_id, why, waited)
         return waited
 
+    def _sides(self, request: Any, group: str) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
+        """(namespace, layout, mapping id, [(key, engine side)]) of a Store's source or
+        a Retrieve's target: the one place that tells blocks from inline bytes."""
+        if self._oneof(request, group) == "blocks":  # the same BlockChunks in both
+            blocks = request.blocks
+            mapping = self._mapping(blocks.mapping_id)
+            sides: list[tuple[bytes, Side]] = [
+                (c.key, Blocks(mapping, list(c.block_ids), i)) for i, c in enumerate(blocks.chunks)
+            ]
+            _check_keys([k for k, _ in sides])
+            return mapping.namespace, mapping.fingerprint, mapping.mapping_id, sides
+        inline = request.inline
+        _check_namespace(inline.namespace)
+        if group == "source":
+            sides = [(c.key, Inline(c.data)) for c in inline.chunks]
+        else:
+            sides = [(key, Inline()) for key in inline.keys]
+        _check_keys([k for k, _ in sides])
+        return inline.namespace, INLINE_LAYOUT, "", sides
+
     @rpc(pb.StoreResponse, transfer=True)
     async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
-        kind = self._oneof(request, "source")
-        if kind == "blocks":
-            mapping = self._mapping(request.blocks.mapping_id)
-            namespace, layout = mapping.namespace, mapping.fingerprint
-            mapping_id = mapping.mapping_id
-            items = [(c.key, list(c.block_ids)) for c in request.blocks.chunks]
-            for i, (_, ids) in enumerate(items):
-                mapping.check_blocks(ids, i)
-            sizes = [len(ids) * mapping.block_bytes for _, ids in items]
-        else:
-            namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
-            items = [(c.key, c.data) for c in request.inline.chunks]  # type: ignore[misc]
-            sizes = [len(c.data) for c in request.inline.chunks]
-        _check_keys([k for k, _ in items])
-        _check_namespace(namespace)
+        namespace, layout, mapping_id, sides = self._sides(request, "source")
         failpoints.hit("store.put")
         present = 0
-        wanted: dict[bytes, tuple[Any, int]] = {}  # key -> (source, size), first one wins
-        for (key, src), size in zip(items, sizes, strict=True):
+        wanted: dict[bytes, Side] = {}  # the first of equal keys wins
+        for key, side in sides:
             if key in wanted or self.store.get(namespace, key, layout) is not None:
                 present += 1
             else:
-                wanted[key] = (src, size)
+                wanted[key] = side
         # All or none: a request that cannot be placed evicts nothing.
         reserved, evicted = (
-            self.store.reserve(namespace, [(k, size) for k, (_, size) in wanted.items()], layout)
+            self.store.reserve(namespace, [(k, s.nbytes) for k, s in wanted.items()], layout)
             if wanted
             else ([], 0)
         )
-        todo: list[tuple[Chunk, Any]] = [
-            (chunk, src) for chunk, (src, _) in zip(reserved, wanted.values(), strict=True)
-        ]
-        nbytes = sum(c.size for c, _ in todo)
-        pieces: list[Piece] = []
-        for ci, (chunk, src) in enumerate(todo):
-            dst = self.store.chunk_view(chunk)
-            if kind == "blocks":
-                pieces.extend(_block_pieces(mapping, src, self.store, chunk, ci, to_store=True))
-            else:
-                pieces.extend(_inline_store_pieces(src, dst, ci))
+        todo = list(zip(reserved, wanted.values(), strict=True))
         stored = 0
 
         def finalize(results: list[list[Digest]] | None, error: BaseException | None) -> None:
@@ -461,6 +429,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 stored += self.store.commit(chunk, chunk_digests)
 
         if todo:
+            pieces = [
+                piece
+                for ci, (chunk, side) in enumerate(todo)
+                for piece in side.pieces(self.store.buffer(chunk), ci, to_store=True)
+            ]
+            nbytes = sum(c.size for c, _ in todo)
             await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize)
         if evicted:
             log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
@@ -468,7 +442,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             stored_chunks=stored,
             present_chunks=present + len(todo) - stored,
             evicted_chunks=evicted,
-            stored_bytes=nbytes,
+            stored_bytes=sum(c.size for c, _ in todo),
             transfer_id=call.request_id,
             server_start_id=self.start_id,
         )
@@ -482,31 +456,17 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         pieces: list[Piece],
         finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
     ) -> list[list[Digest]]:
-        """Run the pieces of one copy as a few tasks spread over the workers."""
-        # Small copies run as one task: a hand-off between threads costs more than
-        # the parallel copy saves below a few MiB.
-        threads = self.config.transfer_threads if nbytes > PARALLEL_MIN_BYTES else 1
-        n_tasks = max(1, min(len(pieces), threads))
-        per = -(-len(pieces) // n_tasks)
-        groups = [pieces[i : i + per] for i in range(0, len(pieces), per)]
-
-        def task(group: list[Piece], first: int) -> Callable[[], list[Digest]]:
-            def run() -> list[Digest]:
-                out: list[Digest] = []
-                for i, piece in enumerate(group):
-                    if first + i == 1:
-                        failpoints.hit("transfer.copy")
-                    out.extend(piece())
-                return out
-
-            return run
-
-        tasks = [task(g, i * per) for i, g in enumerate(groups)]
+        """Run the pieces of one copy on the transfer engine."""
         call.started = True
         t0 = time.perf_counter()
         try:
             result = await self.engine.run(
-                call.request_id, mapping_id, nbytes, call.deadline, tasks, finalize
+                call.request_id,
+                mapping_id,
+                nbytes,
+                call.deadline,
+                tasks(pieces, nbytes, self.config.transfer_threads),
+                finalize,
             )
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
@@ -517,48 +477,22 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.RetrieveResponse, transfer=True)
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
-        kind = self._oneof(request, "target")
-        if kind == "blocks":
-            mapping = self._mapping(request.blocks.mapping_id)
-            namespace, layout = mapping.namespace, mapping.fingerprint
-            mapping_id = mapping.mapping_id
-            targets = [list(c.block_ids) for c in request.blocks.chunks]
-            for i, ids in enumerate(targets):
-                mapping.check_blocks(ids, i)
-            keys = [c.key for c in request.blocks.chunks]
-        else:
-            namespace, layout, mapping_id = request.inline.namespace, INLINE_LAYOUT, ""
-            _check_namespace(namespace)
-            keys = list(request.inline.keys)
-        _check_keys(keys)
-        chunks = self.store.acquire_prefix(namespace, keys, layout)
+        namespace, layout, mapping_id, sides = self._sides(request, "target")
+        chunks = self.store.acquire_prefix(namespace, [k for k, _ in sides], layout)
         try:
-            if kind == "blocks":
-                for i, chunk in enumerate(chunks):
-                    if chunk.size != len(targets[i]) * mapping.block_bytes:
-                        raise LayoutMismatch(
-                            f"chunk {i} holds {chunk.size // mapping.block_bytes} blocks, "
-                            f"the request lists {len(targets[i])}",
-                            reason="BLOCK_COUNT_MISMATCH",
-                            metadata={"chunkIndex": i, "listedBlocks": len(targets[i])},
-                        )
+            for ci, chunk in enumerate(chunks):
+                sides[ci][1].check(chunk.size, ci)
         except BaseException:
             self.store.release(chunks)
             raise
         if not chunks:
             return pb.RetrieveResult(transfer_id=call.request_id, server_start_id=self.start_id)
+        pieces = [
+            piece
+            for ci, chunk in enumerate(chunks)
+            for piece in sides[ci][1].pieces(self.store.buffer(chunk), ci, to_store=False)
+        ]
         nbytes = sum(c.size for c in chunks)
-        pieces: list[Piece] = []
-        outputs: list[bytearray] = []
-        for ci, chunk in enumerate(chunks):
-            src = self.store.chunk_view(chunk)
-            if kind == "blocks":
-                pieces.extend(
-                    _block_pieces(mapping, targets[ci], self.store, chunk, ci, to_store=False)
-                )
-            else:
-                outputs.append(bytearray(chunk.size))
-                pieces.extend(_inline_load_pieces(self.store, chunk, src, outputs[-1]))
         await self._transfer(
             call,
             "retrieve",
@@ -570,7 +504,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return pb.RetrieveResult(
             loaded_chunks=len(chunks),
             chunks=[
-                pb.InlineChunk(key=k, data=bytes(d)) for k, d in zip(keys, outputs, strict=False)
+                pb.InlineChunk(key=key, data=bytes(side.out))
+                for (key, side), _ in zip(sides, chunks, strict=False)
+                if isinstance(side, Inline)
             ],
             loaded_bytes=nbytes,
             transfer_id=call.request_id,
@@ -638,119 +574,6 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return result
 
 
-Digest = tuple[int, int, int]  # (chunk index, segment index, xxh3)
-Piece = Callable[[], list[Digest]]
-
-
-def _block_pieces(
-    mapping: Mapping,
-    block_ids: list[int],
-    store: ChunkStore,
-    chunk: Chunk,
-    ci: int,
-    *,
-    to_store: bool,
-) -> list[Piece]:
-    """One piece per checksum segment of a chunk (one per chunk on CUDA). A Retrieve
-    verifies each segment against ``chunk``'s checksums; a Store returns them. The
-    copy plan is made by the first piece that runs, on a copy thread, so the event
-    loop only validates and reserves, and planning overlaps other chunks' copies."""
-    buf = store.chunk_view(chunk)
-    segs = segments(chunk.size)
-    made: list[CopyPlan] = []
-    lock = threading.Lock()
-
-    def plan() -> CopyPlan:
-        if not made:
-            with lock:
-                if not made:
-                    made.append(mapping.plan(block_ids))
-        return made[0]
-
-    def check(si: int, digest: int) -> list[Digest]:
-        if not to_store:
-            store.verify(chunk, si, digest)
-            return []
-        return [(ci, si, digest)]
-
-    if mapping.is_cuda:
-
-        def cuda_piece() -> list[Digest]:
-            out: list[Digest] = []
-            if not to_store:  # verify before the bytes reach the engine's blocks
-                for si, (lo, hi) in enumerate(segs):
-                    out += check(si, checksum(buf[lo:hi]))
-            mapping.copy_cuda(plan(), store.chunk_tensor(chunk), to_store=to_store)
-            if to_store:
-                for si, (lo, hi) in enumerate(segs):
-                    out += check(si, checksum(buf[lo:hi]))
-            return out
-
-        return [cuda_piece]
-
-    addr = store.address(chunk)
-
-    def piece(si: int, lo: int, hi: int) -> Piece:
-        return lambda: check(si, mapping.copy_range(plan(), buf, addr, lo, hi, to_store=to_store))
-
-    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segs)]
-
-
-def _inline_store_pieces(data: bytes, dst: memoryview, ci: int) -> list[Piece]:
-    def piece(si: int, lo: int, hi: int) -> Piece:
-        def run() -> list[Digest]:
-            dst[lo:hi] = data[lo:hi]
-            return [(ci, si, checksum(dst[lo:hi]))]
-
-        return run
-
-    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(len(data)))]
-
-
-def _inline_load_pieces(
-    store: ChunkStore, chunk: Chunk, src: memoryview, out: bytearray
-) -> list[Piece]:
-    view = memoryview(out)
-
-    def piece(si: int, lo: int, hi: int) -> Piece:
-        def run() -> list[Digest]:
-            view[lo:hi] = src[lo:hi]
-            store.verify(chunk, si, checksum(view[lo:hi]))
-            return []
-
-        return run
-
-    return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(chunk.size))]
-
-
-def _check_ranks_agree(ranks: list[RankMapping]) -> None:
-    """One mapping is one memory kind and one number of blocks; the first rank that
-    differs from ranks[0] is named like every other rank error."""
-    first = ranks[0]
-    first_cuda = any(isinstance(r, CudaRegion) for r in first.regions.values())
-    first_blocks = first.tensors[0].num_blocks
-    for index, rank in enumerate(ranks[1:], start=1):
-        label, context = rank_label(rank.context, index), rank_metadata(rank.context, index)
-        if any(isinstance(r, CudaRegion) for r in rank.regions.values()) != first_cuda:
-            raise InvalidRequest(
-                f"{label}: a mapping's ranks must all be shared memory or all CUDA, "
-                f"and {rank_label(first.context, 0)} is not of the same kind",
-                reason="MIXED_REGION_KINDS",
-                metadata=context,
-            )
-        if rank.tensors[0].num_blocks != first_blocks:
-            raise InvalidRequest(
-                f"{label}: ranks disagree on the number of blocks: {rank.tensors[0].num_blocks} "
-                f"here, {first_blocks} in {rank_label(first.context, 0)}",
-                reason="RANK_BLOCKS_DISAGREE",
-                metadata={
-                    **context,
-                    "numBlocks": rank.tensors[0].num_blocks,
-                    "expectedBlocks": first_blocks,
-                },
-            )
-
-
 def _ranks_descriptor(request: pb.MapRequest) -> bytes:
     key = pb.MapRequest(namespace=request.namespace, ranks=request.ranks)
     return key.SerializeToString(deterministic=True)
@@ -784,136 +607,3 @@ def _timestamp(t: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
     ts.FromNanoseconds(int(t * 1e9))
     return ts
-
-
-class Server:
-    """A running kvsvc server: the gRPC server, its servicer and health."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.health = Health()
-        self.servicer = KVCacheServicer(config, self.health)
-        self.grpc = grpc.aio.server(options=server_options())
-        # Not the generated add_*_to_server: their deserializers raise on bytes that
-        # do not parse, which grpc answers UNKNOWN with an ERROR traceback each time.
-        self._add_service(pb.DESCRIPTOR.services_by_name["KVCacheService"], self.servicer)
-        self._add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], self.health.servicer)
-        reflection.enable_server_reflection(
-            (
-                pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
-                "grpc.health.v1.Health",
-                reflection.SERVICE_NAME,
-            ),
-            self.grpc,
-        )
-        try:
-            self.port = self.grpc.add_insecure_port(config.listen)
-            if self.port == 0 and not config.listen.startswith("unix:"):
-                raise RuntimeError("no address bound")
-        except RuntimeError:  # grpc's bare 'Failed to bind' (its C core logs why)
-            # The servicer made the fd socket and worker threads: leave nothing behind.
-            if self.servicer.fds is not None:
-                self.servicer.fds.close()
-            self.servicer.engine.shutdown()
-            raise ConfigError(
-                f"cannot listen on {config.listen}: grpc could not bind it "
-                "(a port in use, a host that does not resolve, a missing directory?)"
-            ) from None
-        host = config.listen.rsplit(":", 1)[0]
-        self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
-
-    def _add_service(self, service: ServiceDescriptor, servicer: object) -> None:
-        """Register ``servicer``'s unary methods with requests parsed by
-        :func:`request_parser`, so a message that does not parse gets a typed reply."""
-        handlers: dict[str, grpc.RpcMethodHandler] = {}
-        for method in service.methods:
-            assert not method.client_streaming, method.full_name
-            make = (
-                grpc.unary_stream_rpc_method_handler
-                if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
-            handlers[method.name] = make(
-                getattr(servicer, method.name),
-                request_deserializer=request_parser(GetMessageClass(method.input_type)),
-                response_serializer=GetMessageClass(method.output_type).SerializeToString,
-            )
-        generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
-        self.grpc.add_generic_rpc_handlers((generic,))
-        self.grpc.add_registered_method_handlers(service.full_name, handlers)
-
-    async def start(self) -> None:
-        if self.servicer.fds is not None:
-            self.servicer.fds.start()
-        await self.health.start()
-        await self.grpc.start()
-        self.watchdog = Watchdog(
-            asyncio.get_running_loop(),
-            self.servicer.engine,
-            self.config.stall_timeout,
-            self.servicer.fatal_threadsafe,
-        )
-        self.watchdog.start()
-        if self.config.metrics_port:
-            unix = self.config.listen.startswith("unix:")
-            host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
-            self.servicer.metrics.serve_http(self.config.metrics_port, host)
-        log.info(
-            "kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
-            __version__,
-            self.address,
-            self.servicer.store.capacity,
-            self.servicer.device,
-            self.servicer.start_id,
-        )
-
-    async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
-        still answers, so probes see the truth); then stop the gRPC server."""
-        await self.health.shutdown()
-        grace = self.config.shutdown_grace if grace is None else grace
-        deadline = time.monotonic() + grace
-        engine = self.servicer.engine
-        while engine.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        # Copies are drained; other calls are short, and health Watch streams never
-        # end on their own, so they must not hold the exit for the whole grace.
-        await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
-        if engine.inflight:
-            log.warning(
-                "shutdown: copies still running after the %.1f s grace period: %s",
-                grace,
-                sorted(engine.inflight),
-            )
-        # The watchdog goes first: workers that end on purpose are not a death.
-        self.watchdog.stop()
-        engine.shutdown()
-        if self.servicer.fds is not None:
-            self.servicer.fds.close()
-
-
-async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT (exit 0 after a graceful drain), or, with
-    --exit-on-fatal, until a fatal failure (exit 3 once copies are fenced)."""
-    # Signals first: one that comes while the server starts stops it cleanly once
-    # started, instead of leaving its fd socket behind.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    server = Server(config)
-    await server.start()
-    waits = [asyncio.ensure_future(stop.wait())]
-    if config.exit_on_fatal:
-        waits.append(asyncio.ensure_future(server.health.fatal_event.wait()))
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
-    fatal = server.health.failure_reason if not stop.is_set() else ""
-    if fatal:
-        log.error("exiting after fatal failure %s (--exit-on-fatal)", fatal)
-    else:
-        log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
-    await server.stop()
-    log.info("stopped")
-    return 3 if fatal else 0

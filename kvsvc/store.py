@@ -23,24 +23,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
-from kvsvc.errors import CapacityExhausted, DataLoss
+from kvsvc.copies import ChunkBuffer, segments
+from kvsvc.errors import CapacityExhausted
 
 ALIGN = 4096
 INLINE_LAYOUT = "inline"
-#: Checksums cover 1 MiB segments of a chunk, so the pieces of one chunk can be
-#: copied (and hashed while in cache) by several threads at once.
-SEGMENT_BYTES = 1 << 20
-
-
-def segments(size: int) -> list[tuple[int, int]]:
-    """[lo, hi) byte ranges of a chunk's checksum segments."""
-    return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
-
-
-def checksum(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
 
 
 def _align(n: int) -> int:
@@ -153,26 +141,20 @@ class ChunkStore:
         for chunk in chunks:
             chunk.readers -= 1
 
-    def chunk_view(self, chunk: Chunk) -> memoryview:
-        return self.view[chunk.offset : chunk.offset + chunk.size]
+    def buffer(self, chunk: Chunk) -> ChunkBuffer:
+        """The chunk's bytes as the copy pieces see them (and check them)."""
+        return ChunkBuffer(
+            view=self.view[chunk.offset : chunk.offset + chunk.size],
+            addr=self.base + chunk.offset,
+            tensor=self.tensor[chunk.offset : chunk.offset + chunk.size],
+            namespace=chunk.key[0],
+            key=chunk.key[1],
+            expected=chunk.digests,
+            on_mismatch=self._count_mismatch,
+        )
 
-    def address(self, chunk: Chunk) -> int:
-        """Where the chunk's bytes start in memory, for memcpy."""
-        return self.base + chunk.offset
-
-    def chunk_tensor(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's bytes as a slice of the (pinned, on CUDA hosts) store tensor."""
-        return self.tensor[chunk.offset : chunk.offset + chunk.size]
-
-    def verify(self, chunk: Chunk, segment: int, digest: int) -> None:
-        """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
-        if digest != chunk.digests[segment]:
-            self.checksum_failures += 1  # a lost increment is harmless; the raise is not
-            raise DataLoss(
-                f"checksum mismatch on chunk {chunk.key[1].hex()[:32]} segment {segment} "
-                f"(stored {chunk.digests[segment]:016x}, read {digest:016x})",
-                metadata={"key": chunk.key[1].hex(), "namespace": chunk.key[0], "segment": segment},
-            )
+    def _count_mismatch(self) -> None:
+        self.checksum_failures += 1  # a lost increment (copy threads) is harmless
 
     # --- writes ---
     def reserve(

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc.client import KVCacheClient
 from kvsvc.config import ServerConfig
 from kvsvc.kvcache import SharedKVCache
-from kvsvc.server import Server
+from kvsvc.lifecycle import Server
 
 REPO = Path(__file__).resolve().parent.parent
 

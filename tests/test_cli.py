@@ -22,7 +22,7 @@ import torch
 
 from kvsvc.config import _TYPES, ConfigError, ServerConfig, env_name, parse_server_config
 from kvsvc.errors import FatalServerError
-from kvsvc.server import Server
+from kvsvc.lifecycle import Server
 
 REPO = Path(__file__).resolve().parent.parent
 # Every run below fails fast or serves; this only bounds a run that wrongly serves.

@@ -36,7 +36,7 @@ from kvsvc.errors import (
 )
 from kvsvc.health import SERVICE_NAME, Watchdog
 from kvsvc.kvcache import rank_context
-from kvsvc.server import Server
+from kvsvc.lifecycle import Server
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]

@@ -235,7 +235,7 @@ def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
 ) -> None:
     from kvsvc.client import KVCacheClient
     from kvsvc.config import ServerConfig
-    from kvsvc.server import Server
+    from kvsvc.lifecycle import Server
 
     missing = tmp_path / "no-such-dir"
     st = make_server(shm_dir=str(missing))
