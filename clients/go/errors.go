@@ -5,7 +5,8 @@ package kvsvc
 // one of the class types below (each embeds *KVServiceError), and errors.As
 // follows the Python hierarchy: an *UnsupportedRequest is also an
 // *InvalidRequest, a *MappingLost also a *NotFound, and every class is a
-// *KVServiceError.
+// *KVServiceError. errors_test.go checks these types against errors.py's
+// reason catalogue (proto/kvsvc/v1/reasons.json).
 
 import (
 	"fmt"
@@ -94,6 +95,8 @@ type (
 	InvalidRequest struct{ *KVServiceError }
 	// UnsupportedRequest: a request this server does not understand (unset oneof, newer envelope).
 	UnsupportedRequest struct{ *KVServiceError }
+	// MalformedRequest: request bytes the server could not parse as the method's message.
+	MalformedRequest struct{ *KVServiceError }
 	// LayoutMismatch: chunks only load into the layout they were stored with.
 	LayoutMismatch struct{ *KVServiceError }
 	// NotFound: something named by the request does not exist.
@@ -102,6 +105,8 @@ type (
 	Miss struct{ *KVServiceError }
 	// MappingLost: the mapping is unknown (server restarted or unmapped); map again.
 	MappingLost struct{ *KVServiceError }
+	// CudaUnavailable: a CUDA IPC handle reached a server without CUDA; no retry can help.
+	CudaUnavailable struct{ *KVServiceError }
 	// CapacityExhausted: the chunk store cannot hold the data.
 	CapacityExhausted struct{ *KVServiceError }
 	// Unimplemented: the server does not implement the call.
@@ -134,10 +139,11 @@ type class struct {
 	wrap      func(*KVServiceError) error
 }
 
-// classOrder is errors.py's _CLASSES: the first class declared for a code is its default.
+// classOrder is errors.py's declaration order: the first class declared for a code is its default.
 var classOrder = []string{
-	"InvalidRequest", "UnsupportedRequest", "LayoutMismatch", "NotFound", "Miss", "MappingLost",
-	"CapacityExhausted", "Unimplemented", "DeadlineExceeded", "Cancelled", "ServiceUnavailable",
+	"InvalidRequest", "UnsupportedRequest", "MalformedRequest", "LayoutMismatch", "NotFound", "Miss",
+	"MappingLost", "CudaUnavailable", "CapacityExhausted", "Unimplemented", "DeadlineExceeded",
+	"Cancelled", "ServiceUnavailable",
 	"ServiceNotServing", "TransferUnprovable", "RegionUnavailable", "RemoteHandlerError",
 	"DataLoss", "FatalServerError",
 }
@@ -145,10 +151,12 @@ var classOrder = []string{
 var classes = map[string]class{
 	"InvalidRequest":     {"", codes.InvalidArgument, "INVALID_ARGUMENT", false, func(e *KVServiceError) error { return &InvalidRequest{e} }},
 	"UnsupportedRequest": {"InvalidRequest", codes.InvalidArgument, "UNSUPPORTED_REQUEST", false, func(e *KVServiceError) error { return &UnsupportedRequest{e} }},
+	"MalformedRequest":   {"InvalidRequest", codes.InvalidArgument, "MALFORMED_REQUEST", false, func(e *KVServiceError) error { return &MalformedRequest{e} }},
 	"LayoutMismatch":     {"", codes.FailedPrecondition, "LAYOUT_MISMATCH", false, func(e *KVServiceError) error { return &LayoutMismatch{e} }},
 	"NotFound":           {"", codes.NotFound, "NOT_FOUND", false, func(e *KVServiceError) error { return &NotFound{e} }},
 	"Miss":               {"NotFound", codes.NotFound, "CHUNK_NOT_FOUND", false, func(e *KVServiceError) error { return &Miss{e} }},
 	"MappingLost":        {"NotFound", codes.NotFound, "MAPPING_NOT_FOUND", false, func(e *KVServiceError) error { return &MappingLost{e} }},
+	"CudaUnavailable":    {"", codes.FailedPrecondition, "CUDA_UNAVAILABLE", false, func(e *KVServiceError) error { return &CudaUnavailable{e} }},
 	"CapacityExhausted":  {"", codes.ResourceExhausted, "CAPACITY_EXHAUSTED", false, func(e *KVServiceError) error { return &CapacityExhausted{e} }},
 	"Unimplemented":      {"", codes.Unimplemented, "UNIMPLEMENTED", false, func(e *KVServiceError) error { return &Unimplemented{e} }},
 	"DeadlineExceeded":   {"", codes.DeadlineExceeded, "DEADLINE_EXCEEDED", false, func(e *KVServiceError) error { return &DeadlineExceeded{e} }},
@@ -197,6 +205,10 @@ func (e *KVServiceError) As(target interface{}) bool {
 		if ok = e.IsClass("UnsupportedRequest"); ok {
 			*t = &UnsupportedRequest{e}
 		}
+	case **MalformedRequest:
+		if ok = e.IsClass("MalformedRequest"); ok {
+			*t = &MalformedRequest{e}
+		}
 	case **LayoutMismatch:
 		if ok = e.IsClass("LayoutMismatch"); ok {
 			*t = &LayoutMismatch{e}
@@ -212,6 +224,10 @@ func (e *KVServiceError) As(target interface{}) bool {
 	case **MappingLost:
 		if ok = e.IsClass("MappingLost"); ok {
 			*t = &MappingLost{e}
+		}
+	case **CudaUnavailable:
+		if ok = e.IsClass("CudaUnavailable"); ok {
+			*t = &CudaUnavailable{e}
 		}
 	case **CapacityExhausted:
 		if ok = e.IsClass("CapacityExhausted"); ok {

@@ -3,8 +3,12 @@ package kvsvc
 // The envelope/transport -> class mapping, mirrored from kvsvc/errors.py.
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -33,8 +37,14 @@ func asClass(err error, name string) bool {
 	case "UnsupportedRequest":
 		var t *UnsupportedRequest
 		return errors.As(err, &t)
+	case "MalformedRequest":
+		var t *MalformedRequest
+		return errors.As(err, &t)
 	case "LayoutMismatch":
 		var t *LayoutMismatch
+		return errors.As(err, &t)
+	case "CudaUnavailable":
+		var t *CudaUnavailable
 		return errors.As(err, &t)
 	case "NotFound":
 		var t *NotFound
@@ -94,12 +104,13 @@ func base(t *testing.T, err error) *KVServiceError {
 func TestEveryClassByReasonWithItsAncestors(t *testing.T) {
 	ancestors := map[string][]string{
 		"UnsupportedRequest": {"InvalidRequest"},
+		"MalformedRequest":   {"InvalidRequest"},
 		"Miss":               {"NotFound"},
 		"MappingLost":        {"NotFound"},
 		"DataLoss":           {"RemoteHandlerError"},
 		"FatalServerError":   {"RemoteHandlerError"},
 	}
-	if len(Classes()) != 17 {
+	if len(Classes()) != 19 {
 		t.Fatalf("%d classes", len(Classes()))
 	}
 	for _, name := range Classes() {
@@ -289,5 +300,175 @@ func TestTimeoutSettingsAreValidated(t *testing.T) {
 	}
 	if _, err := c.Store(ctx, "ns", []Chunk{{[]byte("k"), []byte("v")}}, WithTimeout(0)); !errors.Is(err, ErrInvalidTimeout) {
 		t.Errorf("Store WithTimeout(0): %v", err)
+	}
+}
+
+// --- the reason catalogue of kvsvc/errors.py (proto/kvsvc/v1/reasons.json) ---
+
+type catalogueClass struct {
+	Name        string `json:"name"`
+	Parent      string `json:"parent"`
+	Code        string `json:"code"`
+	Reason      string `json:"reason"`
+	Retryable   bool   `json:"retryable"`
+	EveryClient bool   `json:"everyClient"`
+}
+
+type catalogueReason struct {
+	Name       string `json:"name"`
+	Class      string `json:"class"`
+	Code       string `json:"code"`
+	CodeNumber uint32 `json:"codeNumber"`
+	Retryable  bool   `json:"retryable"`
+	By         string `json:"by"`
+}
+
+type reasonCatalogue struct {
+	Classes            []catalogueClass  `json:"classes"`
+	DefaultClassByCode map[string]string `json:"defaultClassByCode"`
+	Reasons            []catalogueReason `json:"reasons"`
+}
+
+// loadCatalogue reads the JSON that scripts/gen_reasons.py makes from kvsvc/errors.py.
+func loadCatalogue(t *testing.T) reasonCatalogue {
+	t.Helper()
+	dir := os.Getenv("KVSVC_PROTO_DIR")
+	if dir == "" {
+		dir = filepath.Join("..", "..", "proto")
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "kvsvc", "v1", "reasons.json"))
+	if err != nil {
+		t.Fatalf("the reason catalogue: %v", err)
+	}
+	var c reasonCatalogue
+	if err := json.Unmarshal(raw, &c); err != nil {
+		t.Fatalf("the reason catalogue: %v", err)
+	}
+	if len(c.Classes) == 0 || len(c.Reasons) == 0 {
+		t.Fatalf("the reason catalogue is empty")
+	}
+	return c
+}
+
+func codeByName(t *testing.T, name string) pb.Code {
+	t.Helper()
+	v, ok := pb.Code_value["CODE_"+name]
+	if !ok {
+		t.Fatalf("no code %s", name)
+	}
+	return pb.Code(v)
+}
+
+func TestClassesMatchTheReasonCatalogue(t *testing.T) {
+	cat := loadCatalogue(t)
+	declared := map[string]bool{}
+	for _, c := range cat.Classes {
+		declared[c.Name] = true
+		if c.Name == "KVServiceError" {
+			continue
+		}
+		cl, ok := classes[c.Name]
+		if !ok {
+			if c.EveryClient {
+				t.Errorf("%s (%s) is missing: a server sends it", c.Name, c.Reason)
+			}
+			continue
+		}
+		parent := cl.parent
+		if parent == "" {
+			parent = "KVServiceError"
+		}
+		if parent != c.Parent || codeName(cl.code) != c.Code || cl.reason != c.Reason ||
+			cl.retryable != c.Retryable {
+			t.Errorf("%s: parent %s code %s reason %s retryable %v; the catalogue says %+v",
+				c.Name, parent, codeName(cl.code), cl.reason, cl.retryable, c)
+		}
+	}
+	for _, name := range Classes() {
+		if !declared[name] {
+			t.Errorf("%s is not in the catalogue", name)
+		}
+	}
+}
+
+func TestUnknownReasonFallsBackToTheCatalogueDefault(t *testing.T) {
+	for code, name := range loadCatalogue(t).DefaultClassByCode {
+		err := FromRemoteError(env("NotAClass", "NOT_DECLARED", codeByName(t, code)), "Lookup")
+		if got := base(t, err).Class; got != name {
+			t.Errorf("%s gave %s, the catalogue says %s", code, got, name)
+		}
+	}
+}
+
+func TestEveryServerReasonComesBackAsItsDeclaredClass(t *testing.T) {
+	for _, r := range loadCatalogue(t).Reasons {
+		// A bare KVServiceError is never raised by a server (it comes back by its code).
+		if r.By != "server" || r.Class == "KVServiceError" {
+			continue
+		}
+		e := env(r.Class, r.Name, codeByName(t, r.Code))
+		e.Retryable = r.Retryable
+		k := base(t, FromRemoteError(e, "Lookup"))
+		if k.Class != r.Class || codeName(k.Code) != r.Code || k.Reason != r.Name || k.Retryable != r.Retryable {
+			t.Errorf("%s: got %s %s %s %v; the catalogue says %+v",
+				r.Name, k.Class, codeName(k.Code), k.Reason, k.Retryable, r)
+		}
+		if classes[r.Class].reason == r.Name {
+			// A class's own reason finds it even under a type name this client does not know.
+			byReason := FromRemoteError(env("NotAClass", r.Name, pb.Code_CODE_ABORTED), "Lookup")
+			if got := base(t, byReason).Class; got != r.Class {
+				t.Errorf("%s by reason gave %s", r.Name, got)
+			}
+		}
+	}
+}
+
+func TestEveryTransportReasonIsTheDeclaredOne(t *testing.T) {
+	n := 0
+	for _, r := range loadCatalogue(t).Reasons {
+		if r.Name != "TRANSPORT_"+r.Code {
+			continue
+		}
+		n++
+		err := FromGRPCError(status.Error(codes.Code(r.CodeNumber), "d"), "r", "Lookup", false, false)
+		k := base(t, err)
+		if k.Class != r.Class || codeName(k.Code) != r.Code || k.Reason != r.Name || k.Retryable != r.Retryable {
+			t.Errorf("%s: got %s %s %s %v; the catalogue says %+v",
+				r.Name, k.Class, codeName(k.Code), k.Reason, k.Retryable, r)
+		}
+	}
+	if n != 16 {
+		t.Errorf("%d transport reasons in the catalogue", n)
+	}
+}
+
+func TestEveryReasonInTheSourceIsDeclared(t *testing.T) {
+	declared := map[string]bool{}
+	for _, r := range loadCatalogue(t).Reasons {
+		declared[r.Name] = true
+	}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	literal := regexp.MustCompile(`(?:Reason:\s*|codes\.\w+,\s*)"([A-Z][A-Z0-9_]*)"`)
+	found := 0
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range literal.FindAllStringSubmatch(string(src), -1) {
+			found++
+			if !declared[m[1]] {
+				t.Errorf("%s: reason %s is not in kvsvc/errors.py's catalogue", f, m[1])
+			}
+		}
+	}
+	if found < 20 {
+		t.Errorf("found %d reason literals", found)
 	}
 }

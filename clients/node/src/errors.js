@@ -2,7 +2,8 @@
 // The error contract of kvsvc, mirrored from kvsvc/errors.py: one class per
 // way a caller reacts, each declaring only its gRPC code and reason. A
 // RemoteError envelope (the `error` arm of every response's `outcome`) and a
-// transport failure both become one of these classes.
+// transport failure both become one of these classes. test/errors.test.js checks
+// these classes against errors.py's reason catalogue (proto/kvsvc/v1/reasons.json).
 
 const { status: Status } = require('@grpc/grpc-js');
 
@@ -96,12 +97,16 @@ function define(name, parent, code, reason, extra = {}) {
 const InvalidRequest = define('InvalidRequest', KVServiceError, 'INVALID_ARGUMENT', 'INVALID_ARGUMENT');
 /** A request this server does not understand (unset oneof, unknown enum, newer envelope). */
 const UnsupportedRequest = define('UnsupportedRequest', InvalidRequest, 'INVALID_ARGUMENT', 'UNSUPPORTED_REQUEST');
+/** Request bytes that the server could not parse as the method's message. */
+const MalformedRequest = define('MalformedRequest', InvalidRequest, 'INVALID_ARGUMENT', 'MALFORMED_REQUEST');
 const LayoutMismatch = define('LayoutMismatch', KVServiceError, 'FAILED_PRECONDITION', 'LAYOUT_MISMATCH');
 const NotFound = define('NotFound', KVServiceError, 'NOT_FOUND', 'NOT_FOUND');
 /** A chunk the caller required is not in the store. */
 const Miss = define('Miss', NotFound, 'NOT_FOUND', 'CHUNK_NOT_FOUND');
 /** The mapping is unknown here: the server restarted or it was unmapped. Map again. */
 const MappingLost = define('MappingLost', NotFound, 'NOT_FOUND', 'MAPPING_NOT_FOUND');
+/** A CUDA IPC handle reached a server that has no CUDA: no retry can help here. */
+const CudaUnavailable = define('CudaUnavailable', KVServiceError, 'FAILED_PRECONDITION', 'CUDA_UNAVAILABLE');
 const CapacityExhausted = define('CapacityExhausted', KVServiceError, 'RESOURCE_EXHAUSTED', 'CAPACITY_EXHAUSTED');
 const Unimplemented = define('Unimplemented', KVServiceError, 'UNIMPLEMENTED', 'UNIMPLEMENTED');
 // --- deadlines and transport ---
@@ -124,10 +129,10 @@ const DataLoss = define('DataLoss', RemoteHandlerError, 'DATA_LOSS', 'CHECKSUM_M
 /** Device error, dead or stalled transfer worker: the instance stops serving. */
 const FatalServerError = define('FatalServerError', RemoteHandlerError, 'INTERNAL', 'FATAL_SERVER_ERROR');
 
-// Same order as errors.py's _CLASSES: the first class declared for a code is its default.
+// errors.py's declaration order: the first class declared for a code is its default.
 const CLASSES = [
-  InvalidRequest, UnsupportedRequest, LayoutMismatch, NotFound, Miss, MappingLost,
-  CapacityExhausted, Unimplemented, DeadlineExceeded, Cancelled, ServiceUnavailable,
+  InvalidRequest, UnsupportedRequest, MalformedRequest, LayoutMismatch, NotFound, Miss, MappingLost,
+  CudaUnavailable, CapacityExhausted, Unimplemented, DeadlineExceeded, Cancelled, ServiceUnavailable,
   ServiceNotServing, TransferUnprovable, RegionUnavailable, RemoteHandlerError, DataLoss,
   FatalServerError,
 ];
@@ -230,10 +235,12 @@ module.exports = {
   KVServiceError,
   InvalidRequest,
   UnsupportedRequest,
+  MalformedRequest,
   LayoutMismatch,
   NotFound,
   Miss,
   MappingLost,
+  CudaUnavailable,
   CapacityExhausted,
   Unimplemented,
   DeadlineExceeded,

@@ -120,10 +120,12 @@ export class KVServiceError extends Error {
 }
 export class InvalidRequest extends KVServiceError {}
 export class UnsupportedRequest extends InvalidRequest {}
+export class MalformedRequest extends InvalidRequest {}
 export class LayoutMismatch extends KVServiceError {}
 export class NotFound extends KVServiceError {}
 export class Miss extends NotFound {}
 export class MappingLost extends NotFound {}
+export class CudaUnavailable extends KVServiceError {}
 export class CapacityExhausted extends KVServiceError {}
 export class Unimplemented extends KVServiceError {}
 export class DeadlineExceeded extends KVServiceError {}

@@ -22,10 +22,12 @@ test('every class is chosen by its reason, and keeps its place in the hierarchy'
   const expected = {
     INVALID_ARGUMENT: [kv.InvalidRequest],
     UNSUPPORTED_REQUEST: [kv.UnsupportedRequest, kv.InvalidRequest],
+    MALFORMED_REQUEST: [kv.MalformedRequest, kv.InvalidRequest],
     LAYOUT_MISMATCH: [kv.LayoutMismatch],
     NOT_FOUND: [kv.NotFound],
     CHUNK_NOT_FOUND: [kv.Miss, kv.NotFound],
     MAPPING_NOT_FOUND: [kv.MappingLost, kv.NotFound],
+    CUDA_UNAVAILABLE: [kv.CudaUnavailable],
     CAPACITY_EXHAUSTED: [kv.CapacityExhausted],
     UNIMPLEMENTED: [kv.Unimplemented],
     DEADLINE_EXCEEDED: [kv.DeadlineExceeded],
@@ -166,4 +168,81 @@ test('transport failures map by code with a TRANSPORT_ reason, as from_grpc_erro
     { transfer: true, transferStarted: true });
   assert.equal(unimpl.constructor, kv.Unimplemented);
   assert.equal(unimpl.transferState, 'NOT_STARTED');
+});
+
+// --- the reason catalogue of kvsvc/errors.py (proto/kvsvc/v1/reasons.json) ---
+const fs = require('node:fs');
+const path = require('node:path');
+
+const protoDir = process.env.KVSVC_PROTO_DIR || path.resolve(__dirname, '..', '..', '..', 'proto');
+const catalogue = JSON.parse(fs.readFileSync(path.join(protoDir, 'kvsvc', 'v1', 'reasons.json'), 'utf8'));
+const declared = new Map(catalogue.reasons.map((r) => [r.name, r]));
+const mine = new Map([kv.KVServiceError, ...kv.CLASSES].map((c) => [c.name, c]));
+
+test('the classes are those of the catalogue: same parent, code, reason and retryable', () => {
+  for (const c of catalogue.classes) {
+    const cls = mine.get(c.name);
+    if (cls === undefined) {
+      assert.ok(!c.everyClient, `${c.name} (${c.reason}) is missing: a server sends it`);
+      continue;
+    }
+    const parent = Object.getPrototypeOf(cls);
+    assert.equal(parent === Error ? '' : parent.name, c.parent, `${c.name}'s parent`);
+    assert.equal(cls.code, c.code, `${c.name}'s code`);
+    assert.equal(cls.reason, c.reason, `${c.name}'s reason`);
+    assert.equal(cls.retryable, c.retryable, `${c.name}'s retryable`);
+  }
+  const known = new Set(catalogue.classes.map((c) => c.name));
+  for (const name of mine.keys()) assert.ok(known.has(name), `${name} is not in the catalogue`);
+});
+
+test('an unknown reason falls back to the default class of its code, as errors.py', () => {
+  for (const [code, name] of Object.entries(catalogue.defaultClassByCode)) {
+    const e = kv.fromRemoteError(envelope({ type: 'NotAClass', reason: 'NOT_DECLARED', code: `CODE_${code}` }));
+    assert.equal(e.constructor.name, name, code);
+  }
+});
+
+test('every server reason comes back as its declared class with its code', () => {
+  for (const r of catalogue.reasons) {
+    // A bare KVServiceError is never raised by a server (it comes back by its code).
+    if (r.by !== 'server' || r.class === 'KVServiceError') continue;
+    const sent = { reason: r.name, code: `CODE_${r.code}`, retryable: r.retryable };
+    const e = kv.fromRemoteError(envelope({ ...sent, type: r.class }));
+    assert.equal(e.constructor.name, r.class, r.name);
+    assert.equal(e.code, r.code, r.name);
+    assert.equal(e.reason, r.name);
+    assert.equal(e.retryable, r.retryable, r.name);
+    if (mine.get(r.class).reason === r.name) {
+      // A class's own reason finds it even under a type name this client does not know.
+      const byReason = kv.fromRemoteError(envelope({ ...sent, type: 'NotAClass', code: 'CODE_ABORTED' }));
+      assert.equal(byReason.constructor.name, r.class, `${r.name} by reason`);
+    }
+  }
+});
+
+test('every transport failure gets its declared TRANSPORT_ reason, class and retryable', () => {
+  const transport = catalogue.reasons.filter((r) => r.name === `TRANSPORT_${r.code}`);
+  assert.equal(transport.length, 16);
+  for (const r of transport) {
+    const e = kv.fromGrpcError({ code: r.codeNumber, details: 'd' });
+    assert.equal(e.constructor.name, r.class, r.name);
+    assert.equal(e.code, r.code, r.name);
+    assert.equal(e.reason, r.name);
+    assert.equal(e.retryable, r.retryable, r.name);
+  }
+});
+
+test('every reason the client source writes is declared in the catalogue', () => {
+  const src = path.resolve(__dirname, '..', 'src');
+  const literal = /\breason:\s*'([^']*)'|define\([^)]*?'[A-Z_]+',\s*'([A-Z][A-Z0-9_]*)'/g;
+  let found = 0;
+  for (const file of fs.readdirSync(src).filter((f) => f.endsWith('.js'))) {
+    for (const m of fs.readFileSync(path.join(src, file), 'utf8').matchAll(literal)) {
+      const reason = m[1] ?? m[2];
+      found += 1;
+      assert.ok(declared.has(reason), `${file}: reason ${reason} is not in kvsvc/errors.py's catalogue`);
+    }
+  }
+  assert.ok(found > 15, `found ${found} reason literals`);
 });
