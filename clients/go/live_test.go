@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -256,7 +257,7 @@ func TestMappedRegions(t *testing.T) {
 		}
 	})
 
-	t.Run("blocks round trip; inline chunks do not load into a mapping", func(t *testing.T) {
+	t.Run("blocks round trip; an inline chunk is a miss for a mapping", func(t *testing.T) {
 		file := filepath.Join(s.shmDir, "region")
 		content := randBytes(t, 256)
 		if err := os.WriteFile(file, content, 0o600); err != nil {
@@ -291,10 +292,14 @@ func TestMappedRegions(t *testing.T) {
 		if _, err := c.Store(ctx, ns, []Chunk{{[]byte("inline-key"), make([]byte, 64)}}); err != nil {
 			t.Fatal(err)
 		}
-		_, err = c.RetrieveRaw(ctx, blockRetrieve(m.MappingId, "inline-key", 0))
-		if e := expect(t, err, "LayoutMismatch"); e.Reason != "LAYOUT_MISMATCH" || e.Metadata["storedLayout"] != "inline" ||
-			e.TransferState != pb.TransferState_TRANSFER_STATE_NOT_STARTED {
-			t.Errorf("%+v", e)
+		// Presence is per (namespace, key, layout): the inline chunk is a miss here.
+		before, _ := os.ReadFile(file)
+		got, err := c.RetrieveRaw(ctx, blockRetrieve(m.MappingId, "inline-key", 0))
+		if err != nil || got.LoadedChunks != 0 {
+			t.Errorf("%v %v", got, err)
+		}
+		if now, _ := os.ReadFile(file); !bytes.Equal(now, before) {
+			t.Errorf("a block was written")
 		}
 	})
 
@@ -386,8 +391,9 @@ func TestSlowServer(t *testing.T) {
 	t.Run("a chunk larger than the store is CapacityExhausted", func(t *testing.T) {
 		_, err := c.Store(ctxFor(t, 10*time.Second), "ns", []Chunk{{[]byte("big"), make([]byte, 100<<10)}})
 		e := expect(t, err, "CapacityExhausted")
-		if e.Code != codes.ResourceExhausted || e.Metadata["chunkBytes"] != "102400" ||
-			e.TransferState != pb.TransferState_TRANSFER_STATE_NOT_STARTED {
+		need, _ := strconv.Atoi(e.Metadata["requestBytes"])
+		if e.Code != codes.ResourceExhausted || e.Reason != "REQUEST_EXCEEDS_CAPACITY" || e.Retryable ||
+			need <= 100<<10 || e.TransferState != pb.TransferState_TRANSFER_STATE_NOT_STARTED {
 			t.Errorf("%+v", e)
 		}
 	})

@@ -117,11 +117,13 @@ test('against a slow server', async (t) => {
       (e) => e instanceof kv.Cancelled && /before it was sent/.test(e.message));
   });
 
-  await t.test('a chunk larger than the store -> CapacityExhausted', async () => {
+  await t.test('a chunk larger than the store -> CapacityExhausted, not retryable', async () => {
     await assert.rejects(client.store('ns', [{ key: 'big', data: Buffer.alloc(100 * 1024) }]), (e) => {
       assert.equal(e.constructor, kv.CapacityExhausted);
       assert.equal(e.code, 'RESOURCE_EXHAUSTED');
-      assert.equal(e.metadata.chunkBytes, String(100 * 1024));
+      assert.equal(e.reason, 'REQUEST_EXCEEDS_CAPACITY');
+      assert.equal(e.retryable, false);
+      assert.ok(Number(e.metadata.requestBytes) > 100 * 1024);
       assert.equal(e.transferState, 'NOT_STARTED');
       return true;
     });
