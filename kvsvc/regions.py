@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from kvsvc.errors import CudaUnavailable, InvalidRequest, RegionUnavailable
-from kvsvc.fdpass import FdBroker, exited
+from kvsvc.fdbroker import FdBroker, exited
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 DTYPES: dict[int, torch.dtype] = {
