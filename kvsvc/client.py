@@ -50,6 +50,7 @@ __all__ = [
 
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 Outcome = tuple[Any, KVServiceError | None]  # a step's result, or its typed error
 
 
@@ -88,62 +89,56 @@ def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
     }
 
 
-def _face(method: Callable[..., Any], op: Callable[..., Any]) -> None:
-    """Show the operation's parameters on the method, without ``Steps[...]``, which
-    only the drivers see."""
+def _face(method: F, op: Callable[..., Any]) -> F:
+    """``method`` with the operation's name, documentation and parameters (without
+    ``Steps[...]``, which only the drivers see)."""
+    functools.update_wrapper(method, op)
     sig = inspect.signature(op)
     core, *params = sig.parameters.values()
     method.__signature__ = sig.replace(  # type: ignore[attr-defined]
         parameters=[core.replace(name="self", annotation=inspect.Parameter.empty), *params],
         return_annotation=inspect.Signature.empty,
     )
+    return method
 
 
 # --- the faces: each operation of kvsvc.calls as a method of each client ---
 def _sync(
     op: Callable[Concatenate[Core, P], Steps[R]],
 ) -> Callable[Concatenate[KVCacheClient, P], R]:
-    @functools.wraps(op)
     def method(self: KVCacheClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(op(self, *args, **kwargs))
 
-    _face(method, op)
-    return method
+    return _face(method, op)
 
 
 def _sync_future(
     op: Callable[Concatenate[Core, P], Steps[R]],
 ) -> Callable[Concatenate[KVCacheClient, P], concurrent.futures.Future[R]]:
-    @functools.wraps(op)
     def method(
         self: KVCacheClient, /, *args: P.args, **kwargs: P.kwargs
     ) -> concurrent.futures.Future[R]:
         return self._future(op(self, *args, **kwargs))
 
-    _face(method, op)
-    return method
+    return _face(method, op)
 
 
 def _async(
     op: Callable[Concatenate[Core, P], Steps[R]],
 ) -> Callable[Concatenate[AsyncKVCacheClient, P], Coroutine[Any, Any, R]]:
-    @functools.wraps(op)
     async def method(self: AsyncKVCacheClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._run(op(self, *args, **kwargs))
 
-    _face(method, op)
-    return method
+    return _face(method, op)
 
 
 def _async_task(
     op: Callable[Concatenate[Core, P], Steps[R]],
 ) -> Callable[Concatenate[AsyncKVCacheClient, P], asyncio.Task[R]]:
-    @functools.wraps(op)
     def method(self: AsyncKVCacheClient, /, *args: P.args, **kwargs: P.kwargs) -> asyncio.Task[R]:
         return asyncio.ensure_future(self._run(op(self, *args, **kwargs)))
 
-    _face(method, op)
-    return method
+    return _face(method, op)
 
 
 class KVCacheClient(Core):
