@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsvc.errors import InvalidRequest, RegionUnavailable
-from kvsvc.fdpass import FdBroker, exited
+from kvsvc.fdbroker import FdBroker, exited
 from kvsvc.layout import (
     HandleKey,
     HandleKind,

@@ -19,7 +19,7 @@ import grpc
 import torch
 from google.protobuf import timestamp_pb2
 
-from kvsvc import __version__, failpoints, fdpass
+from kvsvc import __version__, failpoints, fdbroker
 from kvsvc.config import (
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
@@ -160,14 +160,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.fds = self._fd_broker(config)
         self.metrics = Metrics(self)
 
-    def _fd_broker(self, config: ServerConfig) -> fdpass.FdBroker | None:
+    def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
         """The fd socket; with 'auto', a place where none can be made (read-only
         shm dir) only turns memfd regions off, loudly; a path given must work."""
-        path = fdpass.socket_path(config.fd_socket, config.shm_dir, self.start_id)
+        path = fdbroker.socket_path(config.fd_socket, config.shm_dir, self.start_id)
         if path is None:
             return None
         try:
-            return fdpass.FdBroker(path)
+            return fdbroker.FdBroker(path)
         except OSError as exc:
             if config.fd_socket != "auto":
                 raise

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import LAYOUTS, SERVING, ServerThread, fill_random, health_status, make_cache
 
-from kvsvc import fdpass
+from kvsvc import fdbroker, fdpass
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.errors import CapacityExhausted, InvalidRequest, Unimplemented
 from kvsvc.kvcache import rank_context
@@ -176,7 +176,7 @@ def test_server_without_fd_socket_says_so(make_server, shm_dir) -> None:
 
 
 def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
-    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=3, max_tokens=2)  # outlasts the steps
+    broker = fdbroker.FdBroker(str(tmp_path / "fds"), ttl=3, max_tokens=2)  # outlasts the steps
     broker.start()
     fds = [fdpass.make_sealed_memfd(f"m{i}", 4096) for i in range(3)]
     try:
@@ -187,7 +187,7 @@ def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
         dup, size, owner = broker.open(tokens[0])
         os.close(dup)
         assert size == 4096
-        assert owner >= 0 and not fdpass.exited(owner)  # this process passed it
+        assert owner >= 0 and not fdbroker.exited(owner)  # this process passed it
         os.close(owner)
         time.sleep(3.1)
         with pytest.raises(InvalidRequest):
@@ -225,7 +225,7 @@ def test_sealed_memfd_helper_seals_size() -> None:
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
-        assert fdpass.check_sealed(fd) == 8192
+        assert fdbroker.check_sealed(fd) == 8192
     finally:
         os.close(fd)
 
@@ -323,7 +323,7 @@ def test_silent_peers_do_not_delay_a_registration(make_server, monkeypatch, shm_
     """Three peers connect and say nothing, and stay connected for the whole test
     (their timeout is 30 s here): a registration must not wait for any of them.
     The old server served one peer at a time, 5 s each: 15 s before this one."""
-    monkeypatch.setattr(fdpass, "FD_PEER_TIMEOUT_S", 30.0)
+    monkeypatch.setattr(fdbroker, "FD_PEER_TIMEOUT_S", 30.0)
     st = make_server()
     path = st.server.servicer.fds.path
     silent = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
@@ -346,7 +346,7 @@ def test_silent_peers_do_not_delay_a_registration(make_server, monkeypatch, shm_
 
 
 def test_a_silent_peer_gets_a_typed_answer_and_is_closed(tmp_path) -> None:
-    broker = fdpass.FdBroker(str(tmp_path / "fds"), peer_timeout=0.3)
+    broker = fdbroker.FdBroker(str(tmp_path / "fds"), peer_timeout=0.3)
     broker.start()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
@@ -363,7 +363,7 @@ def test_a_silent_peer_gets_a_typed_answer_and_is_closed(tmp_path) -> None:
 
 
 def test_silent_peers_beyond_the_most_served_are_refused(tmp_path) -> None:
-    broker = fdpass.FdBroker(str(tmp_path / "fds"), peer_timeout=600, max_peers=1)
+    broker = fdbroker.FdBroker(str(tmp_path / "fds"), peer_timeout=600, max_peers=1)
     broker.start()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as a:
@@ -389,7 +389,7 @@ def test_a_flooding_peer_hits_its_cap_and_others_still_register(make_server, mon
     from kvsvc import config
 
     for name in ("FD_TOKEN_TTL_S", "FD_TOKEN_UNUSED_TTL_S"):  # none expires here
-        monkeypatch.setattr(fdpass, name, 600.0)
+        monkeypatch.setattr(fdbroker, name, 600.0)
     server = make_server()
     path = server.server.servicer.fds.path
     fd = fdpass.make_sealed_memfd("flood", 4096)
@@ -420,7 +420,7 @@ def test_a_flooding_peer_hits_its_cap_and_others_still_register(make_server, mon
 def test_an_unused_token_is_released_promptly(make_server, monkeypatch) -> None:
     """A pass whose Map never comes holds its place for FD_TOKEN_UNUSED_TTL_S only
     (the old server kept every passed fd 60 s), without any Map to notice."""
-    monkeypatch.setattr(fdpass, "FD_TOKEN_UNUSED_TTL_S", 0.5)
+    monkeypatch.setattr(fdbroker, "FD_TOKEN_UNUSED_TTL_S", 0.5)
     st = make_server()
     fd = fdpass.make_sealed_memfd("unused", 4096)
     try:
@@ -434,7 +434,7 @@ def test_an_unused_token_is_released_promptly(make_server, monkeypatch) -> None:
 
 
 def test_a_token_a_map_used_outlives_the_unused_ttl(tmp_path) -> None:
-    broker = fdpass.FdBroker(str(tmp_path / "fds"), ttl=600, unused_ttl=4)
+    broker = fdbroker.FdBroker(str(tmp_path / "fds"), ttl=600, unused_ttl=4)
     broker.start()
     fd = fdpass.make_sealed_memfd("m", 4096)
     try:
@@ -493,9 +493,9 @@ def test_exited_works_for_a_pidfd_past_fd_setsize() -> None:
     high = fcntl.fcntl(pidfd, fcntl.F_DUPFD_CLOEXEC, 1050)
     try:
         assert high >= 1050
-        assert not fdpass.exited(high)
+        assert not fdbroker.exited(high)
         child.communicate(b"", timeout=30)
-        assert fdpass.exited(high)
+        assert fdbroker.exited(high)
     finally:
         os.close(high)
         os.close(pidfd)
