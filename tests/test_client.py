@@ -560,7 +560,8 @@ async def test_async_task_cancel_keeps_the_lease_until_fenced(spawn, shm_dir: Pa
         assert ac.leased_blocks(m) == {0, 1}
         assert len(ac.unproven_transfers(m)) == 1
         r = await ac.fence(m, timeout=10)
-        assert r.waited_transfers == 1
+        # Waited for, or (on a loaded machine) already ended: known either way.
+        assert r.waited_transfers <= 1 and r.barred_transfers == 0
         assert ac.leased_blocks(m) == set() and ac.unproven_transfers(m) == []
         assert await ac.lookup([b"a", b"b"], mapping=m) == 2
 
