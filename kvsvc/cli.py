@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvsvc import __version__
+from kvsvc import __version__, failpoints
 from kvsvc.config import (
     ConfigError,
     add_server_arguments,
@@ -65,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.target, args.shm_dir)
     if args.command == "failpoints":
         try:
-            from kvsvc import failpoints
+            failpoints.parse(os.environ.get(failpoints.ENV, ""))
         except ValueError as exc:
-            print(f"kvsvc failpoints: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
+            print(f"kvsvc failpoints: {failpoints.ENV}: {exc}", file=sys.stderr)
             return 2
 
         print("Set KVSVC_FAILPOINTS='name=[TAG@][P*]ACTION;...' before the server starts.")
@@ -97,10 +97,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     setup_logging(config.log_level, config.log_format)
     try:
-        from kvsvc.lifecycle import serve as run_server
-    except ValueError as exc:  # a bad KVSVC_FAILPOINTS table, read at import
-        print(f"kvsvc serve: KVSVC_FAILPOINTS: {exc}", file=sys.stderr)
+        failpoints.load_from_env()  # the only place a failpoint table is installed
+    except ValueError as exc:
+        print(f"kvsvc serve: {failpoints.ENV}: {exc}", file=sys.stderr)
         return 2
+    from kvsvc.lifecycle import serve as run_server
+
     try:
         return asyncio.run(run_server(config))
     except ConfigError as exc:  # the port was taken between the check and the bind

@@ -1,8 +1,10 @@
 """Named fault-injection points in the real code paths (like etcd's gofail).
 
-Inert unless the environment variable ``KVSVC_FAILPOINTS`` is set when the
-process starts, e.g. ``transfer.before_copy=raise;store.put=sleep(2000)``.
-No request can enable one: the table is read once, from the environment.
+Inert until :func:`load` installs a table: ``kvsvc serve`` loads the environment
+variable ``KVSVC_FAILPOINTS`` at start-up (:func:`load_from_env`), e.g.
+``transfer.before_copy=raise;store.put=sleep(2000)``. Importing this module reads
+nothing, so importing the server never fails on a bad table and an embedded server
+(tests, the demo) injects nothing. No request can enable one.
 
 Actions: ``raise`` (a RuntimeError), ``sleep(MS)``, ``hang`` (blocks the thread
 for good), ``kill-thread`` (raises a BaseException: a transfer worker dies of it).
@@ -71,9 +73,25 @@ def parse(spec: str) -> dict[str, tuple[float, str, int, str]]:
     return table
 
 
-_TABLE = parse(os.environ.get("KVSVC_FAILPOINTS", ""))
-#: False in production: callers on hot paths skip the failpoint calls entirely.
-ENABLED = bool(_TABLE)
+ENV = "KVSVC_FAILPOINTS"
+
+_TABLE: dict[str, tuple[float, str, int, str]] = {}
+#: False in production: callers on hot paths read ``failpoints.ENABLED`` at call time
+#: and skip the failpoint calls entirely.
+ENABLED = False
+
+
+def load(spec: str) -> None:
+    """Install the table ``spec`` describes ("" turns every point off). A bad spec
+    raises ValueError and leaves the table as it was; call it before serving."""
+    global _TABLE, ENABLED
+    table = parse(spec)
+    _TABLE, ENABLED = table, bool(table)
+
+
+def load_from_env() -> None:
+    """:func:`load` the ``KVSVC_FAILPOINTS`` table (unset: nothing)."""
+    load(os.environ.get(ENV, ""))
 
 
 def active() -> dict[str, tuple[float, str, int, str]]:

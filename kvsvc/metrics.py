@@ -2,13 +2,15 @@
 
 Counters are updated at the few places that see every event (the RPC wrapper,
 the transfer engine); gauges read the live server state when scraped, so they
-cannot drift from it."""
+cannot drift from it. That state comes in through the narrow read-only views
+below (structural protocols and callables), never the servicer: metrics import
+no other kvsvc module, and a test can drive them with plain objects."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Sized
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,9 +20,6 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-
-if TYPE_CHECKING:
-    from kvsvc.server import KVCacheServicer
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -43,10 +42,60 @@ _LATENCY_BUCKETS = (
 )
 
 
-class Metrics:
-    """One registry per server, so several servers can live in one test process."""
+class StoreStats(Protocol):
+    """What the store gauges read (kvsvc.store.ChunkStore has these)."""
 
-    def __init__(self, servicer: KVCacheServicer) -> None:
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def evicted_total(self) -> int: ...
+    @property
+    def checksum_failures(self) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class ServingState(Protocol):
+    """What the health gauges read (kvsvc.health.Health has these)."""
+
+    @property
+    def serving(self) -> bool: ...
+    @property
+    def failure_time(self) -> float: ...
+
+
+class Lease(Protocol):
+    """One copy in flight (kvsvc.transfer.Transfer)."""
+
+    @property
+    def abandoned(self) -> bool: ...
+
+
+class FdStats(Protocol):
+    """What the fd-socket gauges read (kvsvc.fdpass.FdBroker has these)."""
+
+    @property
+    def peers(self) -> int: ...
+    def open_fds(self) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class Metrics:
+    """One registry per server, so several servers can live in one test process.
+
+    ``transfers`` returns the copies in flight at scrape time; ``mappings`` is the
+    live collection of mapped regions; ``fds`` is None when the fd socket is off."""
+
+    def __init__(
+        self,
+        *,
+        store: StoreStats,
+        health: ServingState,
+        transfers: Callable[[], Collection[Lease]],
+        mappings: Sized,
+        fds: FdStats | None,
+    ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvsvc_requests",
@@ -74,7 +123,6 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        store, engine, health = servicer.store, servicer.engine, servicer.health
 
         def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(name, doc, registry=r).set_function(fn)
@@ -82,12 +130,13 @@ class Metrics:
         gauge(
             "kvsvc_inflight_transfers",
             "copies running or queued on transfer workers",
-            lambda: len(engine.inflight),
+            lambda: len(transfers()),
         )
         gauge(
             "kvsvc_unfenced_transfers",
             "copies still running whose client already gave up (server-side leases)",
-            lambda: sum(1 for t in engine.inflight.values() if t.abandoned),
+            # A snapshot first: the scrape thread must not iterate a dict the loop changes.
+            lambda: sum(1 for t in tuple(transfers()) if t.abandoned),
         )
         gauge("kvsvc_store_capacity_bytes", "chunk store capacity", lambda: store.capacity)
         gauge("kvsvc_store_used_bytes", "chunk store bytes in use", lambda: store.used_bytes)
@@ -100,8 +149,7 @@ class Metrics:
             "chunks that failed their checksum",
             lambda: store.checksum_failures,
         )
-        gauge("kvsvc_mappings", "mapped engine regions", lambda: len(servicer.mappings))
-        fds = servicer.fds
+        gauge("kvsvc_mappings", "mapped engine regions", lambda: len(mappings))
         gauge(
             "kvsvc_fd_tokens_held",
             "passed memfds the fd socket holds for Maps (bounded, and expire)",

@@ -158,7 +158,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
         self.fds = self._fd_broker(config)
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(
+            store=self.store,
+            health=health,
+            transfers=lambda: self.engine.inflight.values(),
+            mappings=self.mappings,
+            fds=self.fds,
+        )
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
         """The fd socket; with 'auto', a place where none can be made (read-only

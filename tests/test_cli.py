@@ -24,6 +24,8 @@ from kvsvc.config import _TYPES, ConfigError, ServerConfig, env_name, parse_serv
 from kvsvc.errors import FatalServerError
 from kvsvc.lifecycle import Server
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 REPO = Path(__file__).resolve().parent.parent
 # Every run below fails fast or serves; this only bounds a run that wrongly serves.
 RUN_TIMEOUT_S = 60

@@ -60,6 +60,8 @@ from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 HEX_ID = re.compile(r"^[0-9a-f]{32}$")  # the client's request ids (kvsvc.ids)
 FP = "KVSVC_FAILPOINTS"
 

@@ -41,6 +41,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc.config import ServerConfig, _parse_size, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 try:
     import yaml
 except ImportError as exc:  # pragma: no cover - a missing test dependency

@@ -21,6 +21,8 @@ from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 
 def stub(address: str) -> tuple[grpc.Channel, pb_grpc.KVCacheServiceStub]:
     ch = grpc.insecure_channel(address)

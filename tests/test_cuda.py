@@ -12,6 +12,7 @@ from kvsvc.errors import InvalidRequest
 from kvsvc.kvcache import describe_cuda_tensors, rank_context
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]

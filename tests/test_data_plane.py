@@ -31,6 +31,8 @@ from kvsvc.errors import (
 from kvsvc.kvcache import SharedKVCache, rank_context
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 
 def blocks(cache: SharedKVCache, ids: list[int]) -> list[torch.Tensor]:
     return [

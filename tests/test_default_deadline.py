@@ -8,11 +8,14 @@ import os
 import time
 
 import grpc
+import pytest
 
 from kvsvc.errors import UNKNOWN
 from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
 FP = "KVSVC_FAILPOINTS"
 # Far beyond the 2 s default below, so a loaded machine cannot confuse the two.

@@ -52,6 +52,8 @@ from kvsvc.kvcache import SharedKVCache, rank_context
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 FP = "KVSVC_FAILPOINTS"
 BOTH_NAMES = ("", SERVICE_NAME)
 

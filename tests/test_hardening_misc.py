@@ -39,6 +39,8 @@ from kvsvc.kvcache import rank_context
 from kvsvc.lifecycle import Server
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
 # Field 1, length-delimited, 255 bytes long, in a 2-byte message: no parser accepts it.
 GARBAGE = b"\x0a\xff"

@@ -20,6 +20,8 @@ from kvsvc.errors import CapacityExhausted, InvalidRequest, Unimplemented
 from kvsvc.kvcache import rank_context
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 
 def blocks(cache, ids: list[int]) -> list[torch.Tensor]:
     return [layer.index_select(cache.block_dim, torch.tensor(ids)) for layer in cache.layers]

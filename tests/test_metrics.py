@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import InvalidRequest, Miss
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -9,7 +9,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
 
 def _floor(deps: list[str], name: str) -> tuple[int, ...]:

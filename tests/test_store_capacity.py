@@ -15,6 +15,8 @@ from kvsvc.config import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 from kvsvc.errors import CapacityExhausted, InvalidRequest
 from kvsvc.store import ALIGN, ChunkStore, meta_bytes
 
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
 MiB = 1 << 20
 
 
