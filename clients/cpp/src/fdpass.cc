@@ -1,0 +1,172 @@
+// Passing a sealed memfd to the server's fd socket: the client side of
+// kvsvc/fdpass.py. Connect a SOCK_SEQPACKET socket to
+// GetServerInfoResult.fd_socket, send kMagic with exactly one fd in
+// SCM_RIGHTS, and read one reply: 0x00 then the token, or 0x01 then a
+// serialized RemoteError.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+#include "kvsvc/client.h"
+
+namespace kvsvc {
+namespace {
+constexpr char kMagic[] = "kvsvc-fd/1";  // fdpass.MAGIC
+constexpr const char* kMethod = "RegisterMemfd";
+
+[[noreturn]] void fd_socket_unavailable(const std::string& path, const std::string& message) {
+  ErrorInfo info;
+  info.class_name = "ServiceUnavailable";
+  info.code = grpc::StatusCode::UNAVAILABLE;
+  info.reason = "FD_SOCKET_UNAVAILABLE";
+  info.message = message;
+  info.metadata = {{"path", path}};
+  info.retryable = true;
+  info.method = kMethod;
+  throw_error(std::move(info));
+}
+
+[[noreturn]] void fd_socket_timeout(const std::string& path) {
+  ErrorInfo info;
+  info.class_name = "DeadlineExceeded";
+  info.code = grpc::StatusCode::DEADLINE_EXCEEDED;
+  info.reason = "FD_SOCKET_TIMEOUT";
+  info.message = "the fd socket " + path + " did not answer before the deadline";
+  info.metadata = {{"path", path}};
+  info.method = kMethod;
+  throw_error(std::move(info));
+}
+
+// A failed connect, send or recv: the deadline's, else the socket's.
+[[noreturn]] void fd_socket_error(const std::string& path, int err) {
+  if (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT || err == EINPROGRESS) {
+    fd_socket_timeout(path);
+  }
+  fd_socket_unavailable(path, "cannot pass an fd through " + path + ": " + std::strerror(err));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// Sets the socket's send and receive timeouts to what is left until deadline.
+void bound(int sock, const std::string& path, std::chrono::system_clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+      deadline - std::chrono::system_clock::now());
+  if (left.count() <= 0) fd_socket_timeout(path);
+  timeval tv{static_cast<time_t>(left.count() / 1000000),
+             static_cast<suseconds_t>(left.count() % 1000000)};
+  if (::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) != 0 ||
+      ::setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) != 0) {
+    fd_socket_error(path, errno);
+  }
+}
+
+std::string send_fd(const std::string& path, int fd,
+                    std::chrono::system_clock::time_point deadline) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) {
+    fd_socket_unavailable(path, "the fd socket path " + path + " is too long");
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  Fd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (sock.get() < 0) fd_socket_error(path, errno);
+  bound(sock.get(), path, deadline);
+  int rc;
+  do {
+    rc = ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) fd_socket_error(path, errno);
+
+  iovec iov{const_cast<char*>(kMagic), sizeof kMagic - 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+  ssize_t n;
+  do {
+    bound(sock.get(), path, deadline);
+    n = ::sendmsg(sock.get(), &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) fd_socket_error(path, errno);
+
+  std::string reply(1 << 16, '\0');
+  do {
+    bound(sock.get(), path, deadline);
+    n = ::recv(sock.get(), reply.data(), reply.size(), 0);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) fd_socket_error(path, errno);
+  reply.resize(static_cast<size_t>(n));
+  if (reply.size() > 1 && reply[0] == '\0') return reply.substr(1);
+  if (!reply.empty() && reply[0] == '\1') {
+    v1::RemoteError env;
+    if (!env.ParseFromString(reply.substr(1))) {
+      fd_socket_unavailable(path, "the fd socket " + path + " answered an unreadable error");
+    }
+    throw_error(from_remote_error(env, kMethod));
+  }
+  fd_socket_unavailable(path, "the fd socket " + path + " closed without an answer");
+}
+}  // namespace
+
+std::string Client::RegisterMemfd(int fd, const CallOptions& call) {
+  Millis timeout = control_timeout_;
+  if (call.timeout) {
+    validate_timeout(*call.timeout, "timeout");
+    timeout = *call.timeout;
+  }
+  const auto deadline = std::chrono::system_clock::now() + timeout;
+  CallOptions info_call;
+  info_call.timeout = timeout;
+  const v1::GetServerInfoResult info = GetServerInfo(info_call);
+  if (info.fd_socket().empty()) {
+    ErrorInfo e;
+    e.class_name = "Unimplemented";
+    e.code = grpc::StatusCode::UNIMPLEMENTED;
+    e.reason = "FD_PASSING_DISABLED";
+    e.message =
+        "the server has no fd socket (--fd-socket off, or it could not make one: see its log), "
+        "so it takes no memfds; map a file under its shm dir instead";
+    e.method = kMethod;
+    throw_error(std::move(e));
+  }
+  return send_fd(info.fd_socket(), fd, deadline);
+}
+
+int make_sealed_memfd(const std::string& name, uint64_t size) {
+  const int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) throw std::system_error(errno, std::generic_category(), "memfd_create");
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw std::system_error(err, std::generic_category(), "sealing a memfd");
+  }
+  return fd;
+}
+
+}  // namespace kvsvc
