@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test install proto check-proto lint typecheck buf pytest clients languages deploy clean
+.PHONY: serve test install proto check-proto lint typecheck buf pytest clients cpp languages deploy clean
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
@@ -30,7 +30,7 @@ serve: install
 	  "$(VENV)/bin/kvsvc demo --target 127.0.0.1:50051"
 	$(VENV)/bin/kvsvc serve
 
-test: install lint typecheck check-proto buf pytest clients languages deploy
+test: install lint typecheck check-proto buf pytest clients cpp languages deploy
 	@echo "make test: all checks passed"
 
 proto: install
@@ -62,6 +62,10 @@ pytest: install
 
 clients: install
 	@if [ -x scripts/check_clients.sh ]; then ./scripts/check_clients.sh; else echo "clients: none yet"; fi
+
+# The C++ client: cmake build (-j2) + GoogleTest against live servers + the README's example.
+cpp: install
+	./scripts/check_cpp.sh
 
 # protoc for every built-in language without a warning; the C++ and Java compile.
 languages:
