@@ -103,7 +103,10 @@ if ((ctest_rc != 0 && fails == 0)); then fails=1; fi
 # --- 4. the README's example, built outside the repository -------------------
 step "install + the README's example (find_package(kvsvc), outside the repository)"
 example_ok=0
-if cmake --install "$BUILD" >"$WORK/install.log" 2>&1 &&
+# The README shows example/example.cc verbatim.
+if ! diff <(sed -n '/^```cpp$/,/^```$/p' clients/cpp/README.md | sed '1d;$d') clients/cpp/example/example.cc; then
+  echo "check_cpp: clients/cpp/README.md's example differs from clients/cpp/example/example.cc" >&2
+elif cmake --install "$BUILD" >"$WORK/install.log" 2>&1 &&
   cp -r clients/cpp/example "$WORK/example" &&
   cmake -S "$WORK/example" -B "$WORK/example/build" -DCMAKE_PREFIX_PATH="$WORK/prefix" \
     >"$WORK/example-configure.log" 2>&1 &&
