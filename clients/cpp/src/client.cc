@@ -1,5 +1,6 @@
 #include "kvsvc/client.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -48,12 +49,50 @@ std::string new_request_id() {
   return id;
 }
 
+void CancelToken::cancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  for (auto* ctx : running_) ctx->TryCancel();
+}
+
+bool CancelToken::cancelled() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancelled_;
+}
+
 struct Client::Plan {
   std::string method;
   bool transfer;
   std::chrono::system_clock::time_point deadline;
   std::string request_id;
+  std::shared_ptr<CancelToken> cancel;
 };
+
+template <class Rpc>
+grpc::Status Client::run(const Plan& plan, Rpc rpc) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(plan.deadline);
+  CancelToken* token = plan.cancel.get();
+  if (token != nullptr) {
+    std::lock_guard<std::mutex> lock(token->mu_);
+    if (token->cancelled_) {
+      ErrorInfo info = client_error("Cancelled", grpc::StatusCode::CANCELLED, "CANCELLED",
+                                    plan.method + " was cancelled before it was sent",
+                                    plan.method);
+      info.request_id = plan.request_id;
+      if (plan.transfer) info.transfer_state = v1::TRANSFER_STATE_NOT_STARTED;
+      throw_error(std::move(info));
+    }
+    token->running_.push_back(&ctx);
+  }
+  grpc::Status status = rpc(&ctx);
+  if (token != nullptr) {
+    std::lock_guard<std::mutex> lock(token->mu_);
+    auto& r = token->running_;
+    r.erase(std::remove(r.begin(), r.end(), &ctx), r.end());
+  }
+  return status;
+}
 
 Client::Client(const std::string& target, Options options)
     : transfer_timeout_(options.transfer_timeout), control_timeout_(options.control_timeout) {
@@ -77,7 +116,8 @@ Client::Plan Client::prepare(const char* method, bool long_call, bool transfer,
     validate_timeout(*call.timeout, "timeout");
     timeout = *call.timeout;
   }
-  Plan plan{method, transfer, std::chrono::system_clock::now() + timeout, call.request_id};
+  Plan plan{method, transfer, std::chrono::system_clock::now() + timeout, call.request_id,
+            call.cancel};
   if (header != nullptr) {
     if (header->envelope_version() == 0) header->set_envelope_version(kEnvelopeVersion);
     if (!call.request_id.empty()) header->set_request_id(call.request_id);
@@ -90,10 +130,8 @@ Client::Plan Client::prepare(const char* method, bool long_call, bool transfer,
 template <class Resp, class Rpc>
 auto Client::unary(const Plan& plan, Rpc rpc)
     -> std::decay_t<decltype(std::declval<Resp>().result())> {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(plan.deadline);
   Resp resp;
-  const grpc::Status status = rpc(&ctx, &resp);
+  const grpc::Status status = run(plan, [&](grpc::ClientContext* ctx) { return rpc(ctx, &resp); });
   if (!status.ok()) {
     // UNAVAILABLE before a connection existed: the request never left (calls.py's _never_sent).
     std::string details = status.error_message();
@@ -202,6 +240,27 @@ v1::RetrieveResult Client::Get(const std::string& ns, const std::vector<std::str
   return Retrieve(std::move(request), call);
 }
 
+std::string Client::GetOne(const std::string& ns, const std::string& key,
+                           const CallOptions& call) {
+  const v1::RetrieveResult r = Get(ns, {key}, call);
+  if (r.chunks_size() == 0) {
+    static const char* hex = "0123456789abcdef";
+    std::string key_hex;
+    for (unsigned char ch : key) {
+      key_hex += hex[ch >> 4];
+      key_hex += hex[ch & 0xf];
+    }
+    ErrorInfo info = client_error("Miss", grpc::StatusCode::NOT_FOUND, "CHUNK_NOT_FOUND",
+                                  "chunk " + key_hex.substr(0, 32) +
+                                      " is not stored in namespace '" + ns + "'",
+                                  "Retrieve");
+    info.metadata = {{"key", key_hex}, {"namespace", ns}};
+    info.request_id = r.transfer_id();
+    throw_error(std::move(info));
+  }
+  return r.chunks(0).data();
+}
+
 v1::LookupResult Client::Lookup(const std::string& ns, const std::vector<std::string>& keys,
                                 const CallOptions& call) {
   v1::LookupRequest request;
@@ -242,12 +301,11 @@ v1::GetServerInfoResult Client::GetServerInfo(const CallOptions& call) {
 
 ServingStatus Client::HealthCheck(const std::string& service, const CallOptions& call) {
   const Plan plan = prepare("Health.Check", false, false, nullptr, call);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(plan.deadline);
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  const grpc::Status status = health_->Check(&ctx, request, &response);
+  const grpc::Status status = run(
+      plan, [&](grpc::ClientContext* ctx) { return health_->Check(ctx, request, &response); });
   if (!status.ok()) throw_error(from_status(status, "", plan.method, false, false));
   return response.status();
 }

@@ -142,6 +142,7 @@ std::string Client::RegisterMemfd(int fd, const CallOptions& call) {
   const auto deadline = std::chrono::system_clock::now() + timeout;
   CallOptions info_call;
   info_call.timeout = timeout;
+  info_call.cancel = call.cancel;  // the fd exchange after it is bounded by the deadline only
   const v1::GetServerInfoResult info = GetServerInfo(info_call);
   if (info.fd_socket().empty()) {
     ErrorInfo e;

@@ -14,6 +14,8 @@
 #include <regex>
 #include <thread>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "kvsvc/client.h"
 #include "server.h"
 
@@ -259,6 +261,42 @@ TEST(Live, ErrorsFromRealPaths) {
   c.Unmap(m.mapping_id());
   EXPECT_EQ(c.HealthCheck(), grpc::health::v1::HealthCheckResponse::SERVING);
 
+  // Miss: one chunk asked for by GetOne that is not stored (a NotFound).
+  const std::string ns_one = uniq("ns-one");
+  c.Put(ns_one, {{"here", "bytes"}});
+  EXPECT_EQ(c.GetOne(ns_one, "here"), "bytes");
+  e = expect_error<kvsvc::NotFound>([&] { c.GetOne(ns_one, "absent"); }, "miss");
+  EXPECT_EQ(e.class_name, "Miss");
+  EXPECT_EQ(e.reason, "CHUNK_NOT_FOUND");
+  EXPECT_EQ(e.metadata["namespace"], ns_one);
+
+  // MalformedRequest: bytes that do not parse as a LookupRequest, answered in
+  // the method's own response envelope.
+  {
+    grpc::GenericStub stub(grpc::CreateChannel(s.addr(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+    const std::string garbage = "\xff\xff\xff\xff";
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, "/kvsvc.v1.KVCacheService/Lookup", grpc::StubOptions(), &request,
+                   &response, [&](grpc::Status st) { done.set_value(st); });
+    ASSERT_TRUE(done.get_future().get().ok());
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(response.Dump(&slices).ok());
+    std::string bytes;
+    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    v1::LookupResponse parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    ASSERT_TRUE(parsed.has_error());
+    e = expect_error<kvsvc::InvalidRequest>(
+        [&] { kvsvc::throw_error(kvsvc::from_remote_error(parsed.error(), "Lookup")); },
+        "malformed");
+    EXPECT_EQ(e.class_name, "MalformedRequest");
+    EXPECT_EQ(e.reason, "MALFORMED_REQUEST");
+  }
+
   // Request ids: a duplicate transfer id, and a transfer barred by a Fence.
   const std::string rid = uniq("rid");
   EXPECT_EQ(c.Put("ns-rid", {{"k", "v"}}, with_timeout(seconds(10), rid)).transfer_id(), rid);
@@ -315,6 +353,26 @@ TEST(Live, SlowServerDeadlines) {
     EXPECT_GT(t.seconds(), 0.25);
     EXPECT_LT(t.seconds(), 3.5);
   }
+  {  // Cancelled: a CancelToken from another thread ends a running call
+    auto token = std::make_shared<kvsvc::CancelToken>();
+    kvsvc::CallOptions call;
+    call.timeout = seconds(20);
+    call.cancel = token;
+    Timer t;
+    std::thread canceller([&] {
+      std::this_thread::sleep_for(milliseconds(300));
+      token->cancel();
+    });
+    auto e = expect_error<kvsvc::Cancelled>([&] { c.Lookup("ns", {"k"}, call); }, "cancelled");
+    canceller.join();
+    EXPECT_EQ(e.code, grpc::StatusCode::CANCELLED);
+    EXPECT_EQ(e.reason, "TRANSPORT_CANCELLED");
+    EXPECT_LT(t.seconds(), 10.0);
+    // A cancelled token refuses the next call before sending it.
+    e = expect_error<kvsvc::Cancelled>([&] { c.Store("m", {{"k", {0}}}, call); }, "again");
+    EXPECT_EQ(e.reason, "CANCELLED");
+    EXPECT_EQ(e.transfer_state, v1::TRANSFER_STATE_NOT_STARTED);
+  }
   {  // the control timeout default bounds a call without one
     kvsvc::Options o;
     o.control_timeout = milliseconds(1000);
@@ -361,14 +419,21 @@ TEST(Live, SlowServerDeadlines) {
 }
 
 TEST(Live, ServerKilledMidCall) {
-  auto s = TestServer::start("handler.enter=Lookup@sleep(20000);transfer.before_copy=sleep(20000)");
+  auto s = TestServer::start("handler.enter=Fence@raise;transfer.before_copy=sleep(20000)");
   kvsvc::Client c(s->addr());
+  // RemoteHandlerError: a handler that fails unexpectedly (not fatal).
+  auto eh = expect_error<kvsvc::RemoteHandlerError>([&] { c.Fence("", {"x"}); }, "handler");
+  EXPECT_EQ(eh.class_name, "RemoteHandlerError");
+  EXPECT_EQ(eh.reason, "HANDLER_FAILED");
+  EXPECT_EQ(eh.code, grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(eh.message.find("Traceback"), std::string::npos);
   write_file(s->shm_dir() + "/r", rand_bytes(256));
   const auto m = c.Map(map_request(uniq("ns-kill"), shm_handle("r", 256), 64));
   Timer t;
-  auto lookup = std::async(std::launch::async, [&] {
+  // An inline Put moves no mapped blocks: its lost reply is a plain ServiceUnavailable.
+  auto put = std::async(std::launch::async, [&] {
     return expect_error<kvsvc::ServiceUnavailable>(
-        [&] { c.Lookup("ns", {"k"}, with_timeout(seconds(30))); }, "lookup mid-kill");
+        [&] { c.Put("ns", {{"k", "v"}}, with_timeout(seconds(30))); }, "put mid-kill");
   });
   auto store = std::async(std::launch::async, [&] {
     return expect_error<kvsvc::TransferUnprovable>(
@@ -377,7 +442,7 @@ TEST(Live, ServerKilledMidCall) {
   });
   std::this_thread::sleep_for(milliseconds(1500));  // both calls are in the server
   s->kill_now();
-  const auto el = lookup.get();
+  const auto el = put.get();
   const auto es = store.get();
   EXPECT_LT(t.seconds(), 15.0) << "a killed server must end the calls, not their deadline";
   EXPECT_EQ(el.code, grpc::StatusCode::UNAVAILABLE);

@@ -64,7 +64,7 @@ std::unique_ptr<TestServer> TestServer::start(const std::string& failpoints,
     const std::string log = s->log_;
     lock.unlock();
     s->stop();
-    throw std::runtime_error(bin + " did not serve within 60 s:\n" + log);
+    throw std::runtime_error(bin + " exited or did not serve within 60 s:\n" + log);
   }
   return s;
 }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,12 +41,30 @@ struct Options {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
+// Cancels the calls it is passed to (CallOptions::cancel), from any thread: a
+// running call ends with Cancelled (TRANSPORT_CANCELLED), or TransferUnprovable
+// for a block transfer that may have reached the server; a later call with a
+// cancelled token throws Cancelled without sending anything.
+class CancelToken {
+ public:
+  void cancel();
+  bool cancelled() const;
+
+ private:
+  friend class Client;
+  mutable std::mutex mu_;
+  bool cancelled_ = false;
+  std::vector<grpc::ClientContext*> running_;
+};
+
 // Adjusts one call.
 struct CallOptions {
   // Bounds this call instead of the default; must be > 0.
   std::optional<Millis> timeout;
   // For a transfer, the transfer id that Fence takes; random (32 hex) if empty.
   std::string request_id;
+  // Lets another thread cancel this call.
+  std::shared_ptr<CancelToken> cancel;
 };
 
 // One inline chunk: a key and its bytes.
@@ -89,6 +108,8 @@ class Client {
   // Inline get: the leading present chunks of keys, in the response.
   v1::RetrieveResult Get(const std::string& ns, const std::vector<std::string>& keys,
                          const CallOptions& call = {});
+  // One chunk, inline; a miss throws Miss (CHUNK_NOT_FOUND) here.
+  std::string GetOne(const std::string& ns, const std::string& key, const CallOptions& call = {});
   // The number of leading keys present in a namespace (any layout).
   v1::LookupResult Lookup(const std::string& ns, const std::vector<std::string>& keys,
                           const CallOptions& call = {});
@@ -122,6 +143,9 @@ class Client {
 
  private:
   struct Plan;
+  // Runs rpc on a context with plan's deadline, registered with plan's cancel token.
+  template <class Rpc>
+  grpc::Status run(const Plan& plan, Rpc rpc);
   Plan prepare(const char* method, bool long_call, bool transfer, v1::RequestHeader* header,
                const CallOptions& call) const;
   template <class Resp, class Rpc>
