@@ -410,7 +410,7 @@ TEST(Live, SlowServerDeadlines) {
       EXPECT_EQ(e.request_id(), rid);
       EXPECT_EQ(e.metadata().at("grpcCode"), "DEADLINE_EXCEEDED");
     }
-    EXPECT_LT(t.seconds(), 4.5);
+    EXPECT_LT(t.seconds(), 8.0);
     const auto f = c.Fence("", {rid}, with_timeout(seconds(20)));
     EXPECT_EQ(f.barred_transfers(), 0u);
     EXPECT_EQ(c.LookupMapping(m.mapping_id(), {"b"}, with_timeout(seconds(10))).hit_chunks(), 1u);
