@@ -11,6 +11,7 @@
 # Env: KVSVC_BIN (default .venv/bin/kvsvc), CHECK_CLIENTS_SKIP_INSTALL=1 to skip step 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/apt.sh
 REPO=$PWD
 
 export KVSVC_BIN="${KVSVC_BIN:-$REPO/.venv/bin/kvsvc}"
@@ -34,22 +35,8 @@ APT_PACKAGES=(
 )
 if [[ "${CHECK_CLIENTS_SKIP_INSTALL:-}" != 1 ]]; then
   step "install"
-  missing=()
-  for p in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-  done
-  command -v node >/dev/null && command -v npm >/dev/null || missing+=(nodejs npm)
-  if ((${#missing[@]})); then
-    echo "apt packages to install: ${missing[*]}"
-    SUDO=()
-    [[ $(id -u) == 0 ]] || SUDO=(sudo)
-    export DEBIAN_FRONTEND=noninteractive
-    "${SUDO[@]}" apt-get update -q >"$WORK/apt-update.log" 2>&1 || { cat "$WORK/apt-update.log"; exit 1; }
-    "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >"$WORK/apt.log" 2>&1 \
-      || { cat "$WORK/apt.log"; exit 1; }
-  else
-    echo "apt packages: all present"
-  fi
+  command -v node >/dev/null && command -v npm >/dev/null || APT_PACKAGES+=(nodejs npm)
+  apt_install_missing "$WORK" "${APT_PACKAGES[@]}"
   (cd clients/node && npm ci --no-audit --no-fund --loglevel=error)
 fi
 go version

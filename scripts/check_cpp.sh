@@ -15,6 +15,7 @@
 # a rebuild is incremental); CHECK_CPP_JOBS (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/apt.sh
 REPO=$PWD
 start=$SECONDS
 
@@ -47,21 +48,7 @@ APT_PACKAGES=(
 )
 if [[ "${CHECK_CPP_SKIP_INSTALL:-}" != 1 ]]; then
   step "install"
-  missing=()
-  for p in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    echo "apt packages to install: ${missing[*]}"
-    SUDO=()
-    [[ $(id -u) == 0 ]] || SUDO=(sudo)
-    export DEBIAN_FRONTEND=noninteractive
-    "${SUDO[@]}" apt-get update -q >"$WORK/apt-update.log" 2>&1 || { cat "$WORK/apt-update.log"; exit 1; }
-    "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >"$WORK/apt.log" 2>&1 \
-      || { cat "$WORK/apt.log"; exit 1; }
-  else
-    echo "apt packages: all present"
-  fi
+  apt_install_missing "$WORK" "${APT_PACKAGES[@]}"
 fi
 cmake --version | head -1
 g++ --version | head -1

@@ -13,6 +13,7 @@
 # Env: CHECK_LANGUAGES_SKIP_INSTALL=1 to skip step 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/apt.sh
 start=$SECONDS
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/check_languages.XXXXXX")
@@ -30,22 +31,8 @@ APT_PACKAGES=(
 )
 if [[ "${CHECK_LANGUAGES_SKIP_INSTALL:-}" != 1 ]]; then
   step "install"
-  missing=()
-  for p in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-  done
-  command -v javac >/dev/null || missing+=(default-jdk-headless)
-  if ((${#missing[@]})); then
-    echo "apt packages to install: ${missing[*]}"
-    SUDO=()
-    [[ $(id -u) == 0 ]] || SUDO=(sudo)
-    export DEBIAN_FRONTEND=noninteractive
-    "${SUDO[@]}" apt-get update -q >"$WORK/apt-update.log" 2>&1 || { cat "$WORK/apt-update.log"; exit 1; }
-    "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}" >"$WORK/apt.log" 2>&1 \
-      || { cat "$WORK/apt.log"; exit 1; }
-  else
-    echo "apt packages: all present"
-  fi
+  command -v javac >/dev/null || APT_PACKAGES+=(default-jdk-headless)
+  apt_install_missing "$WORK" "${APT_PACKAGES[@]}"
 fi
 protoc --version
 
