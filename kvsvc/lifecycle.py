@@ -55,6 +55,8 @@ class Server:
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
+            if self.servicer.remote is not None:
+                self.servicer.remote.close()
             raise ConfigError(
                 f"cannot listen on {config.listen}: grpc could not bind it "
                 "(a port in use, a host that does not resolve, a missing directory?)"
@@ -130,6 +132,8 @@ class Server:
         engine.shutdown()
         if self.servicer.fds is not None:
             self.servicer.fds.close()
+        if self.servicer.remote is not None:
+            self.servicer.remote.close()  # queued writes are dropped, counted
 
 
 async def serve(config: ServerConfig) -> int:
