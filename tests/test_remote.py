@@ -392,3 +392,33 @@ def test_unreachable_redis_at_start_up_still_serves(node) -> None:
         assert ca.lookup([b"k", b"other"], namespace="ns") == 1
     assert health_status(a.address) == SERVING
     assert tier(a).errors.get("connection", 0) >= 1
+
+
+def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, float | None]]:
+    """(retries, socket timeout, connect timeout) of every connection the tier's client
+    would open: the client itself, and each cluster node's pool."""
+    client = remote._redis()
+    if isinstance(client, redis.RedisCluster):
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
+        out = [(client.retry.get_retries(), None, None)]
+    else:
+        pools, out = [client.connection_pool], []
+    for pool in pools:
+        conn = pool.make_connection()
+        out.append((conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout))
+        conn.disconnect()
+    return out
+
+
+def test_every_redis_connection_has_timeouts_and_no_retries(node, redis_server, tmp_path) -> None:
+    # redis-py's default Retry turns a dead Redis into seconds per call.
+    a, _ = node("a", redis_server.url, remote_timeout=0.25)
+    assert data_path_settings(tier(a)) == [(0, 0.25, 0.25)]
+    cluster = RedisCluster(tmp_path / "cluster")
+    try:
+        c, _ = node("c", cluster.url, remote_timeout=0.25)
+        settings = data_path_settings(tier(c))
+        assert settings[0][0] == 0
+        assert settings[1:] == [(0, 0.25, 0.25)] * 3
+    finally:
+        cluster.kill()
