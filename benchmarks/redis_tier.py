@@ -84,9 +84,9 @@ def tier_round(rs: RedisServer, shm: str, chunk_mib: int, n: int, tag: str) -> t
     """Seconds from Store to the last write acknowledged, and of the Retrieve on B."""
     per_chunk = chunk_mib * MiB // (BLOCK_BYTES * LAYERS)
     blocks = per_chunk * n
-    port = free_port()
+    port, port_b = free_port(), free_port()
     a = node(shm, rs.url, port)
-    b = node(shm, rs.url)
+    b = node(shm, rs.url, port_b)
     src, dst = cache(shm, f"src-{tag}", blocks), cache(shm, f"dst-{tag}", blocks)
     try:
         src.buffer.random_(0, 256)
@@ -103,13 +103,15 @@ def tier_round(rs: RedisServer, shm: str, chunk_mib: int, n: int, tag: str) -> t
             while metric(port, "kvsvc_remote_written_bytes_total") < want:
                 if time.perf_counter() - t0 > 120:
                     raise RuntimeError("writes did not reach Redis in 120 s (dropped?)")
-                time.sleep(0.002)
+                time.sleep(0.01)  # polling costs CPU the writers need
             t_store = time.perf_counter() - t0
             t0 = time.perf_counter()
             loaded = cb.retrieve(mb, chunks, timeout=120).loaded_chunks
             t_retrieve = time.perf_counter() - t0
             if loaded != n:
-                raise RuntimeError(f"retrieved {loaded} of {n} chunks")
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port_b}/metrics").read()
+                why = [ln for ln in text.decode().splitlines() if ln.startswith("kvsvc_remote")]
+                raise RuntimeError(f"retrieved {loaded} of {n} chunks: " + "; ".join(why))
             if not src.buffer.equal(dst.buffer):
                 raise RuntimeError("retrieved blocks differ from the stored ones")
             cb.unmap(mb)

@@ -178,6 +178,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _optional_path(text: str) -> str:
+    """A path, or '' for 'none' (how --help writes an unset path)."""
+    return "" if text.strip().lower() in ("", "none") else text
+
+
 def _value_size(text: str) -> int:
     """A Redis value: room for a header, at most Redis' default proto-max-bulk-len."""
     value = _parse_size(text)
@@ -347,6 +352,7 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "log_format": _choice("text", "json"),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     "remote": _remote_url,
+    "remote_password_file": _optional_path,
     "remote_timeout": _positive_float,
     "remote_lookup_budget": _positive_float,
     "remote_queue_bytes": _parse_size,
