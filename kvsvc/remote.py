@@ -203,6 +203,15 @@ class Breaker:
                 return True
             return False
 
+    def blocked(self) -> bool:
+        """Whether a call now would be refused (without taking the probe's turn)."""
+        with self._lock:
+            if self.state == CLOSED:
+                return False
+            if self.state == OPEN:
+                return time.monotonic() - self._opened < self.open_s
+            return self._probing
+
     def success(self) -> None:
         with self._lock:
             if self.state != CLOSED:
@@ -354,10 +363,12 @@ class RemoteTier:
             result = fn(self._redis())
         except Exception as exc:  # a Redis failure is a miss, counted
             self._count_error(exc)
-            if error_kind(exc) in (CONNECTION, TIMEOUT):
-                with self._client_lock:  # a cluster client may hold a stale slot table
-                    if self.cluster:
-                        self._client = None
+            if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
+                with self._client_lock:  # it may hold a stale slot table: make a new one
+                    stale, self._client = self._client, None
+                if stale is not None:
+                    with contextlib.suppress(Exception):
+                        stale.close()
             self.breaker.failure()
             _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
             raise _Skipped(error_kind(exc)) from exc
@@ -377,10 +388,10 @@ class RemoteTier:
         drop and count it when the queue is full. Never waits."""
         for chunk in chunks:
             with self._queued_lock:
-                full = self.queued_bytes + chunk.size > self.queue_limit
-                if not full:
+                take = not self._closed and self.queued_bytes + chunk.size <= self.queue_limit
+                if take:
                     self.queued_bytes += chunk.size
-            if full or self._closed:
+            if not take:
                 self.dropped_writes += 1
                 continue
             chunk.readers += 1  # the store frees nothing a writer still reads
@@ -439,6 +450,9 @@ class RemoteTier:
     def _submit(self, fn: Callable[[Any], Any]) -> asyncio.Future[Any] | None:
         """Run an exchange on a reader thread; None (busy, counted) when every reader
         is still waiting on Redis, so a stuck Redis never queues up requests."""
+        if self.breaker.blocked():  # no thread for a call that would be refused
+            self._count(self.errors, BREAKER_OPEN)
+            return None
         if self._fetching >= REMOTE_FETCHERS:
             self._count(self.errors, BUSY)
             return None
@@ -517,7 +531,8 @@ class RemoteTier:
                 _warn.warning("remote tier: no room in the local store for fetched chunks: %s", exc)
                 return 0
             pairs = [(c, values[i]) for c, (i, _) in zip(chunks, todo, strict=True)]
-            copy = self.loop.run_in_executor(self._fetchers, self._copy_in, pairs)
+            # Not on the reader threads: they may all be waiting on a slow Redis.
+            copy = self.loop.run_in_executor(None, self._copy_in, pairs)
 
             def finish(f: asyncio.Future[None]) -> None:
                 # On the loop, even if the caller has gone: commit or free every chunk.

@@ -112,9 +112,10 @@ def test_breaker_opens_after_failures_and_lets_one_probe_through() -> None:
         b.failure()
     assert b.state == CLOSED
     b.failure()
-    assert b.state == OPEN and not b.allow()
+    assert b.state == OPEN and b.blocked() and not b.allow()
     time.sleep(0.06)
-    assert b.allow() and b.state == HALF_OPEN
+    assert not b.blocked()  # asking does not take the probe's turn
+    assert b.allow() and b.state == HALF_OPEN and b.blocked()
     assert not b.allow()  # one probe at a time
     b.failure()
     assert b.state == OPEN and not b.allow()
