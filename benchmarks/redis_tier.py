@@ -53,8 +53,10 @@ def cache(shm: str, name: str, blocks: int) -> SharedKVCache:
                          head_dim=128, shm_dir=shm)  # fmt: skip
 
 
-def node(shm: str, remote: str, metrics: int = 0, *extra: str) -> KvsvcServer:
-    args = ["--remote", remote, *extra]
+def node(shm: str, remote: str, metrics: int = 0) -> KvsvcServer:
+    # --remote-timeout 5: on this shared 2-core host a process can stall past the
+    # default 0.5 s under other jobs' load, and a miss would end the throughput run.
+    args = ["--remote", remote, "--remote-timeout", "5"]
     if metrics:
         args += ["--metrics-port", str(metrics)]
     return KvsvcServer(store_bytes="2G", shm_dir=shm, extra_args=args)

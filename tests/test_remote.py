@@ -422,3 +422,17 @@ def test_every_redis_connection_has_timeouts_and_no_retries(node, redis_server, 
         assert settings[1:] == [(0, 0.25, 0.25)] * 3
     finally:
         cluster.kill()
+
+
+def test_ttl_and_prefix_are_applied_to_every_value(node, redis_server) -> None:
+    a, _ = node(
+        "a", redis_server.url, remote_ttl=300, remote_prefix="team1", remote_value_bytes=1 << 20
+    )
+    with KVCacheClient(a.address) as ca:
+        ca.put("ns", [(b"small", b"x" * 100), (b"split", b"y" * (2 << 20))])
+        wait_for("written", lambda: tier(a).writes == 2)
+    keys = redis_server.cli("--scan").split()
+    assert len(keys) == 1 + 3  # the split chunk is a header part and two more
+    assert all(k.startswith("team1:") for k in keys), keys
+    ttls = [int(redis_server.cli("ttl", k).strip()) for k in keys]
+    assert all(0 < t <= 300 for t in ttls), ttls
