@@ -167,13 +167,24 @@ def parse_head(rkey: bytes, layout: str, raw: bytes) -> tuple[int, list[int], me
     return parts, digests, memoryview(raw)[pos + 8 * nseg :], n
 
 
-def verify(parts: list[memoryview], n: int, digests: list[int]) -> None:
-    """Check every store segment of the joined parts against its checksum."""
-    if sum(len(p) for p in parts) != n:
+def load_into(dst: memoryview, parts: list[memoryview], digests: list[int]) -> None:
+    """Copy a value's parts into ``dst`` one store segment at a time, hashing each
+    segment right after its copy (still in cache: one pass over the bytes, as the
+    copy path does); Rejected at the first mismatch (``dst`` is then garbage)."""
+    if sum(len(p) for p in parts) != len(dst):
         raise Rejected(BAD_HEADER)
-    data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-    for (lo, hi), digest in zip(segments(n), digests, strict=True):
-        if checksum(data[lo:hi]) != digest:
+    pi, off = 0, 0  # where in the parts the next byte comes from
+    for (lo, hi), digest in zip(segments(len(dst)), digests, strict=True):
+        pos = lo
+        while pos < hi:
+            part = parts[pi]
+            take = min(hi - pos, len(part) - off)
+            dst[pos : pos + take] = part[off : off + take]
+            pos += take
+            off += take
+            if off == len(part):
+                pi, off = pi + 1, 0
+        if checksum(dst[lo:hi]) != digest:
             raise Rejected(BAD_CHECKSUM)
 
 
@@ -265,7 +276,8 @@ class RemoteTier:
         self._password = remote_password(config)
         self._client: Any = None
         self._client_lock = threading.Lock()
-        # counters (kvsvc.metrics reads them; a lost increment from a race is harmless)
+        # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
+        self._stats_lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         self.bytes_read = 0
@@ -378,9 +390,15 @@ class RemoteTier:
     def _count_error(self, exc: BaseException) -> None:
         self._count(self.errors, error_kind(exc))
 
-    @staticmethod
-    def _count(table: dict[str, int], kind: str) -> None:
-        table[kind] = table.get(kind, 0) + 1
+    def _count(self, table: dict[str, int], kind: str) -> None:
+        with self._stats_lock:
+            table[kind] = table.get(kind, 0) + 1
+
+    def _add(self, **counts: int) -> None:
+        """Add to counters that several threads update (metrics and tests read them)."""
+        with self._stats_lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
 
     # --- writes ---
     def write_behind(self, namespace: str, layout: str, chunks: list[Chunk]) -> None:
@@ -392,7 +410,7 @@ class RemoteTier:
                 if take:
                     self.queued_bytes += chunk.size
             if not take:
-                self.dropped_writes += 1
+                self._add(dropped_writes=1)
                 continue
             chunk.readers += 1  # the store frees nothing a writer still reads
             self._queue.put(_Write(namespace, chunk.key[1], layout, chunk))
@@ -420,7 +438,7 @@ class RemoteTier:
 
     def _write(self, writes: list[_Write]) -> None:
         if self._closed:
-            self.dropped_writes += len(writes)
+            self._add(dropped_writes=len(writes))
             return
         pairs: list[tuple[bytes, Any]] = []
         for w in writes:
@@ -437,10 +455,9 @@ class RemoteTier:
         try:
             self._call(send)
         except _Skipped:
-            self.dropped_writes += len(writes)
+            self._add(dropped_writes=len(writes))
             return
-        self.writes += len(writes)
-        self.bytes_written += sum(w.chunk.size for w in writes)
+        self._add(writes=len(writes), bytes_written=sum(w.chunk.size for w in writes))
 
     def _unpin(self, chunks: list[Chunk]) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: the store goes with it
@@ -513,61 +530,73 @@ class RemoteTier:
             return 0
         started = time.monotonic()
         rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
-        values = await self._exchange(lambda r: self._get_verified(r, rkeys, layout), budget)
+        values = await self._exchange(lambda r: self._get_values(r, rkeys, layout), budget)
         if not values:
             self.misses += len(keys)
             return 0
-        self.misses += len(keys) - len(values)
-        wants = [(k, v.size) for k, v in zip(keys, values, strict=False)]
         # Chunks another call committed meanwhile are kept: only the rest is loaded.
         todo = [
-            (i, w) for i, w in enumerate(wants) if self.store.get(namespace, w[0], layout) is None
+            i
+            for i, k in enumerate(keys[: len(values)])
+            if self.store.get(namespace, k, layout) is None
         ]
+        good = len(values)
         if todo:
             try:
-                chunks, _ = self.store.reserve(namespace, [w for _, w in todo], layout)
+                chunks, _ = self.store.reserve(
+                    namespace, [(keys[i], values[i].size) for i in todo], layout
+                )
             except CapacityExhausted as exc:  # no room now: a miss
                 self._count(self.errors, "capacity")
                 _warn.warning("remote tier: no room in the local store for fetched chunks: %s", exc)
+                self.misses += len(keys)
                 return 0
-            pairs = [(c, values[i]) for c, (i, _) in zip(chunks, todo, strict=True)]
+            pairs = [(c, values[i]) for c, i in zip(chunks, todo, strict=True)]
             # Not on the reader threads: they may all be waiting on a slow Redis.
             copy = self.loop.run_in_executor(None, self._copy_in, pairs)
 
-            def finish(f: asyncio.Future[None]) -> None:
+            def finish(f: asyncio.Future[list[bool]]) -> None:
                 # On the loop, even if the caller has gone: commit or free every chunk.
-                for chunk, value in pairs:
-                    if f.cancelled() or f.exception() is not None:
-                        self.store.abort(chunk)
-                    else:
+                done = f.result() if not f.cancelled() and f.exception() is None else []
+                for j, (chunk, value) in enumerate(pairs):
+                    if j < len(done) and done[j]:
                         self.store.commit(chunk, value.digests)
+                    else:
+                        self.store.abort(chunk)
 
             copy.add_done_callback(finish)
             try:
-                await asyncio.shield(copy)
+                loaded = await asyncio.shield(copy)
             except Exception as exc:  # a failed copy-in is a miss
                 log.error("remote tier: copying fetched chunks in failed", exc_info=exc)
+                self.misses += len(keys)
                 return 0
-        self.hits += len(values)
-        self.bytes_read += sum(v.size for v in values)
+            if not all(loaded):  # the prefix ends at the first value that did not verify
+                good = todo[loaded.index(False)]
+        self.misses += len(keys) - good
+        self.hits += good
+        self.bytes_read += sum(v.size for v in values[:good])
         log.debug(
-            "remote tier: %d chunks fetched in %.1f ms",
-            len(values),
-            1e3 * (time.monotonic() - started),
+            "remote tier: %d chunks fetched in %.1f ms", good, 1e3 * (time.monotonic() - started)
         )
-        return len(values)
+        return good
 
-    def _copy_in(self, pairs: list[tuple[Chunk, Value]]) -> None:
+    def _copy_in(self, pairs: list[tuple[Chunk, Value]]) -> list[bool]:
+        """Copy and verify each fetched value into its reserved chunk: whether it matched."""
+        out = []
         for chunk, value in pairs:
-            view = self.store.buffer(chunk).view
-            pos = 0
-            for part in value.parts:
-                view[pos : pos + len(part)] = part
-                pos += len(part)
+            try:
+                load_into(self.store.buffer(chunk).view, value.parts, value.digests)
+                out.append(True)
+            except Rejected as exc:
+                self._count(self.rejected, exc.kind)
+                out.append(False)
+        return out
 
-    def _get_verified(self, r: Any, rkeys: list[bytes], layout: str) -> list[Value]:
+    def _get_values(self, r: Any, rkeys: list[bytes], layout: str) -> list[Value]:
         """On a reader thread: GET the first key of each value (pipelined), then the
-        parts of split ones; verify; return the leading verified values."""
+        parts of split ones; return the leading values whose header matches and whose
+        parts are all there (their checksums are checked as they are copied in)."""
         pipe = r.pipeline(transaction=False)
         for k in rkeys:
             pipe.get(k)
@@ -591,13 +620,12 @@ class RemoteTier:
         out: list[Value] = []
         for i, (nparts, digests, first, n) in enumerate(heads):
             parts = [first] + [more[(i, p)] for p in range(1, nparts)]
-            try:
-                if any(p is None for p in parts):
-                    raise Rejected(MISSING_PART)
-                views = [memoryview(p) for p in parts]
-                verify(views, n, digests)
-            except Rejected as exc:
-                self._count(self.rejected, exc.kind)
+            if any(p is None for p in parts):
+                self._count(self.rejected, MISSING_PART)
+                break
+            views = [memoryview(p) for p in parts]
+            if sum(len(v) for v in views) != n:
+                self._count(self.rejected, BAD_HEADER)
                 break
             out.append(Value(views, n, digests))
         return out

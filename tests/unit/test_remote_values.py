@@ -26,9 +26,9 @@ from kvsvc.remote import (
     Breaker,
     Rejected,
     encode,
+    load_into,
     parse_head,
     redis_key,
-    verify,
 )
 
 MiB = 1 << 20
@@ -45,8 +45,9 @@ def decode(pairs: list[tuple[bytes, object]], layout: str) -> bytes:
     parts, digests, data, n = parse_head(rkey, layout, bytes(first))  # type: ignore[arg-type]
     assert parts == len(pairs)
     views = [data] + [memoryview(bytes(v)) for _, v in pairs[1:]]  # type: ignore[arg-type]
-    verify(views, n, digests)
-    return b"".join(views)
+    out = bytearray(n)
+    load_into(memoryview(out), views, digests)
+    return bytes(out)
 
 
 @pytest.mark.parametrize(("size", "parts"), [(1, 1), (4096, 1), (MiB, 2), (3 * MiB + 17, 4)])
@@ -82,10 +83,10 @@ def test_a_value_is_refused_for_what_it_is() -> None:
     flipped[-1] ^= 1
     _, digests, body, n = parse_head(rkey, "fp1", bytes(flipped))
     with pytest.raises(Rejected) as ei:
-        verify([body], n, digests)
+        load_into(memoryview(bytearray(n)), [body], digests)
     assert ei.value.kind == BAD_CHECKSUM
     with pytest.raises(Rejected):  # truncated
-        verify([body[:-1]], n, digests)
+        load_into(memoryview(bytearray(n)), [body[:-1]], digests)
 
 
 def test_keys_are_namespaced_and_free_of_cluster_hash_tags() -> None:
