@@ -59,7 +59,7 @@ def node(shm: str, remote: str, metrics: int = 0) -> KvsvcServer:
     args = ["--remote", remote, "--remote-timeout", "5"]
     if metrics:
         args += ["--metrics-port", str(metrics)]
-    return KvsvcServer(store_bytes="2G", shm_dir=shm, extra_args=args)
+    return KvsvcServer(store_bytes="1G", shm_dir=shm, extra_args=args)
 
 
 def raw_round(r: redis.Redis, data: bytes, n: int, tag: str) -> tuple[float, float]:
@@ -80,6 +80,35 @@ def raw_round(r: redis.Redis, data: bytes, n: int, tag: str) -> tuple[float, flo
     assert all(len(g) == len(data) for g in got)
     r.delete(*keys)
     return t_set, t_get
+
+
+def raw_round_async(port: int, data: bytes, n: int, tag: str) -> tuple[float, float]:
+    """The same as raw_round with redis.asyncio (issue: the client chosen is measured)."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    async def run() -> tuple[float, float]:
+        r = aredis.Redis(port=port, socket_timeout=60)
+        keys = [f"async:{tag}:{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.set(k, data)
+        await pipe.execute()
+        t_set = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        got = await pipe.execute()
+        t_get = time.perf_counter() - t0
+        assert all(len(g) == len(data) for g in got)
+        await r.delete(*keys)
+        await r.aclose()
+        return t_set, t_get
+
+    return asyncio.run(run())
 
 
 def tier_round(
@@ -187,7 +216,8 @@ def main() -> int:
     rs = RedisServer(work / "redis")
     try:
         raw = redis.Redis(port=rs.port, socket_timeout=60)
-        rows = []
+        rows: list[list[str]] = []
+        client_rows: list[list[str]] = []
         for chunk_mib in (2, 32):
             n = args.total_mib // chunk_mib
             data = bytes(chunk_mib * MiB)
@@ -197,16 +227,30 @@ def main() -> int:
                 "store": [],
                 "retrieve": [],
                 "behind": [],
+                "async set": [],
+                "async get": [],
             }
             for rnd in range(args.rounds):  # alternating: raw, tier, raw, tier...
                 s, g = raw_round(raw, data, n, f"{chunk_mib}-{rnd}")
                 res["raw set"].append(s)
                 res["raw get"].append(g)
+                s, g = raw_round_async(rs.port, data, n, f"{chunk_mib}-{rnd}")
+                res["async set"].append(s)
+                res["async get"].append(g)
                 s, g = tier_round(rs, shm, chunk_mib, n, f"c{chunk_mib}r{rnd}", res["behind"])
                 res["store"].append(s)
                 res["retrieve"].append(g)
                 rs.cli("flushall")
             gbs = {k: n * chunk_mib * MiB / statistics.median(v) / 1e9 for k, v in res.items()}
+            client_rows.append(
+                [
+                    f"{chunk_mib} MiB x {n}",
+                    f"{gbs['raw set']:.2f}",
+                    f"{gbs['async set']:.2f}",
+                    f"{gbs['raw get']:.2f}",
+                    f"{gbs['async get']:.2f}",
+                ]
+            )
             rows.append(
                 [
                     f"{chunk_mib} MiB x {n}",
@@ -223,6 +267,10 @@ def main() -> int:
         print(f"\nThroughput, GB/s (median of {args.rounds} alternating rounds):\n")
         print(md_table(["chunks", "Store→Redis", "raw pipelined SET", "ratio", "after the reply",
                         "Retrieve←Redis", "raw pipelined GET", "ratio"], rows))  # fmt: skip
+        print("\nThe client for the tier: redis-py pipelines, sync vs asyncio, GB/s:\n")
+        print(
+            md_table(["chunks", "sync SET", "asyncio SET", "sync GET", "asyncio GET"], client_rows)
+        )
         print(f"\nLookup of 16 keys, {args.lookups} sequential calls, ms:\n")
         print(md_table(["case", "p50", "p99", "hits"], lookup_rows(rs, shm, args.lookups)))
         raw.close()
