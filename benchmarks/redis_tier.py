@@ -197,6 +197,19 @@ def lookup_rows(rs: RedisServer, shm: str, count: int) -> list[list[str]]:
             lat, hits = lookups(b.address, mb, keys, count)
             rows.insert(1, ["remote tier on, keys local", f"{1e3 * pct(lat, 50):.3f}",
                             f"{1e3 * pct(lat, 99):.3f}", f"{hits / count:.1f} of 16"])  # fmt: skip
+        # The reference for "one Redis round trip": the same pipelined EXISTS, raw.
+        raw = redis.Redis(port=rs.port, socket_timeout=60)
+        lat = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            pipe = raw.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(b"bench:" + k)
+            pipe.execute()
+            lat.append(time.perf_counter() - t0)
+        raw.close()
+        rows.append(["raw redis-py pipelined EXISTS of 16 keys (one round trip)",
+                     f"{1e3 * pct(lat, 50):.3f}", f"{1e3 * pct(lat, 99):.3f}", "-"])  # fmt: skip
     finally:
         for x in caches:
             x.close()
@@ -210,6 +223,7 @@ def main() -> int:
     p.add_argument("--total-mib", type=int, default=256, help="bytes per round and chunk size")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--lookups-only", action="store_true", help="skip the throughput rounds")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvsvc-redis-bench-"))
     shm = tempfile.mkdtemp(prefix="kvsvc-redis-bench-", dir="/dev/shm")
@@ -218,7 +232,7 @@ def main() -> int:
         raw = redis.Redis(port=rs.port, socket_timeout=60)
         rows: list[list[str]] = []
         client_rows: list[list[str]] = []
-        for chunk_mib in (2, 32):
+        for chunk_mib in () if args.lookups_only else (2, 32):
             n = args.total_mib // chunk_mib
             data = bytes(chunk_mib * MiB)
             res: dict[str, list[float]] = {
