@@ -38,7 +38,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsvc.config import ServerConfig, _parse_size, env_name, parse_server_config
+from kvsvc.config import ServerConfig, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
@@ -332,18 +332,28 @@ def test_image_and_compose_agree_with_the_server():
     assert flags["service"] == SERVICE_NAME
 
     # compose: published ports reach the server; the demo targets it, after it is
-    # healthy, inside its IPC namespace (one /dev/shm), which is big enough.
+    # healthy, and shares nothing else with it but the socket volume: no IPC
+    # namespace, no /dev/shm. Its memory goes over the fd socket as sealed memfds.
     targets = {int(str(p).rsplit(":", 1)[-1].split("/")[0]) for p in server_svc["ports"]}
     assert targets == {listen_port, config.metrics_port}
     demo_argv = service_argv(IMAGE, demo_svc)
     target = demo_argv[demo_argv.index("--target") + 1]
     assert host_port(target) == (SERVER_SERVICE, listen_port)
+    assert "--memfd" in demo_argv
     assert demo_svc["depends_on"][SERVER_SERVICE]["condition"] == "service_healthy"
-    assert server_svc["ipc"] == "shareable"
-    assert demo_svc["ipc"] == f"service:{SERVER_SERVICE}"
-    assert _parse_size(str(server_svc["shm_size"])) >= 1 << 30
+    for svc in (server_svc, demo_svc):
+        assert "ipc" not in svc and "shm_size" not in svc, "only the socket volume is shared"
+        assert svc.get("pid") is None and not svc.get("privileged")
+    assert config.socket_dir, "the server's sockets must be in a shared directory"
+    mounts = [
+        {str(v).split(":")[1]: str(v).split(":")[0] for v in svc.get("volumes", [])}
+        for svc in (server_svc, demo_svc)
+    ]
+    volume = mounts[0][config.socket_dir]
+    assert mounts[1] == {config.socket_dir: volume}, "the demo mounts the socket volume only"
+    assert volume in COMPOSE["volumes"], "a named volume, not a host path"
     assert config.shm_dir == "/dev/shm"
-    # The demo creates 0600 region files: it must run as the server's user.
+    # The sockets are 0660 for the server's uid/gid: the demo runs as the same user.
     assert demo_svc.get("user", IMAGE.user) == server_svc.get("user", IMAGE.user)
 
 
@@ -439,6 +449,8 @@ def kv_server(tmp_path_factory):
         KVSVC_METRICS_PORT=str(metrics_port),
         KVSVC_SHM_DIR=shm_dir,
     )
+    if env.get("KVSVC_SOCKET_DIR"):  # the volume's mount point, here a directory of ours
+        env["KVSVC_SOCKET_DIR"] = str(tmp_path_factory.mktemp("sockets") / "run-kvsvc")
     argv = resolve(service_argv(IMAGE, svc), env)
     log = tmp_path_factory.mktemp("server") / "server.log"
     with log.open("wb") as out:
@@ -521,8 +533,8 @@ def test_compose_demo_command(kv_server):
     argv = service_argv(IMAGE, SERVICES[DEMO_SERVICE])
     i = argv.index("--target") + 1
     argv[i] = kv_server.addr  # kvsvc:50051 inside compose's network
-    # In compose the demo shares the server's /dev/shm (ipc: service:kvsvc); here
-    # the server maps regions from a temporary directory, so the demo uses it too.
+    # In compose the demo passes memfds through the socket volume; --shm-dir only
+    # matters to a demo that maps files, and here those are in the server's dir.
     if "--shm-dir" in argv:
         argv[argv.index("--shm-dir") + 1] = kv_server.shm_dir
     else:
@@ -542,6 +554,8 @@ def test_compose_demo_command(kv_server):
         f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}\n"
         f"server log:\n{kv_server.output()}"
     )
+    if "--memfd" in argv:  # its memory went over the fd socket, not through a shared dir
+        assert "map source cache (memfd)" in done.stdout, done.stdout
     after = scrape(kv_server.metrics_url)
     for rpc in ("Map", "Store", "Retrieve"):
         key = f'kvsvc_requests_total{{outcome="result",rpc="{rpc}"}}'
