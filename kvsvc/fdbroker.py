@@ -285,6 +285,11 @@ class FdBroker:
         """Connections open on the fd socket, waiting for their fd."""
         return len(self._peers)
 
+    def lease_peers(self) -> list[tuple[int, int]]:
+        """(pid, uid) of each open lease as the server sees it (pid 0: the engine
+        is in another pid namespace)."""
+        return [(lease.pid, lease.uid) for lease in list(self._leases.values())]
+
     @property
     def leases(self) -> int:
         """Lease connections open: engines whose passed memory lives while they do."""
