@@ -376,8 +376,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
 
     def _lease_ended(self, lease: fdbroker.Lease) -> None:
-        """From the fd socket's thread: wake the reaper."""
-        self.loop.call_soon_threadsafe(self._reap_wake.set)
+        """From the fd socket's thread: wake the reaper (unless the server is gone)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._reap_wake.set)
 
     async def reap(self) -> None:
         """Release, without waiting for a Map, every mapping whose engine is gone: at
