@@ -115,7 +115,7 @@ mirror=$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/debian.sour
 [[ -n $mirror ]] || mirror=http://deb.debian.org/debian
 certs=(/usr/local/share/ca-certificates/*.crt)
 [[ -e ${certs[0]} ]] || certs=()
-key=$( (echo "$SUITE $BASE_PACKAGES v1"; cat "${certs[@]}" </dev/null) | sha256sum | cut -c1-12)
+key=$( (echo "$SUITE $BASE_PACKAGES v2"; cat "${certs[@]}" </dev/null) | sha256sum | cut -c1-12)
 base=localhost/kvsvc-ci-base:$SUITE-$key
 if podman image exists "$base"; then
   echo "$base: present"
