@@ -46,12 +46,17 @@ command -v apt-get >/dev/null || command -v podman >/dev/null || cannot_run "no 
 work=$(mktemp -d /var/tmp/kvsvc-container.XXXXXX)
 project=kvsvc-ci-$$
 pids=()
+runner_pid=""
 wheel_copy=""
 # compose down for the project, then anything left with its label, then our processes.
 cleanup() {
   local rc=$?
   set +e
   trap - EXIT INT TERM
+  if [[ -n $runner_pid ]]; then # first, so that it starts nothing more
+    kill "$runner_pid" 2>/dev/null
+    wait "$runner_pid" 2>/dev/null
+  fi
   if [[ -n ${COMPOSE:-} ]]; then
     DOCKER_HOST=unix://$work/podman.sock timeout 120 "$COMPOSE" -f "$FILE" -p "$project" \
       down -v --remove-orphans -t 20 >>"$work/teardown.log" 2>&1
@@ -63,6 +68,13 @@ cleanup() {
   [[ -z $ids ]] || podman volume rm -f $ids >>"$work/teardown.log" 2>&1
   ids=$(podman network ls -q --filter "label=com.docker.compose.project=$project" 2>/dev/null)
   [[ -z $ids ]] || podman network rm -f $ids >>"$work/teardown.log" 2>&1
+  # A failed build leaves buildah's working containers (outside podman's list).
+  local id
+  [[ -f $work/external-before ]] && for id in $(podman ps -a -q --no-trunc --external 2>/dev/null); do
+    grep -qxF "$id" "$work/external-before" && continue
+    [[ $(podman ps -a --external --no-trunc --filter "id=$id" --format '{{.Names}}') == *-working-container ]] \
+      && podman rm -f "$id" >>"$work/teardown.log" 2>&1
+  done
   local pid
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
@@ -153,6 +165,7 @@ cp "$wheel" "$wheel_copy"
 echo "$wheel"
 
 step "podman API service and health-check driver"
+podman ps -a -q --no-trunc --external >"$work/external-before"
 BUILDAH_FORMAT=docker podman system service --time=0 "unix://$work/podman.sock" >"$work/service.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [[ -S $work/podman.sock ]] && break; sleep 0.2; done
@@ -177,8 +190,12 @@ pids+=($!)
 echo "driving the health checks of service $server"
 
 step "build and run"
+# In the background, so that a signal to this script runs the teardown at once
+# (bash defers traps while a foreground command runs).
 "${runner[@]}" \
   --build-arg "BASE_IMAGE=$base" \
   --build-arg "TORCH_SPEC=torch==2.13.0+cpu" \
   --build-arg "TORCH_INDEX_URL=https://pypi.org/simple" \
-  --build-arg "GRPC_HEALTH_PROBE_SOURCE=kvsvc"
+  --build-arg "GRPC_HEALTH_PROBE_SOURCE=kvsvc" &
+runner_pid=$!
+wait $runner_pid
