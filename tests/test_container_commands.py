@@ -36,10 +36,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.config import ServerConfig, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
+from kvsvc.healthprobe import SERVING, probe
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
@@ -216,16 +216,9 @@ def health_probe(addr: str, service: str, connect_timeout: float = 1.0, rpc_time
     """grpc_health_probe's semantics (its defaults: -connect-timeout=1s,
     -rpc-timeout=1s): success iff grpc.health.v1.Health/Check for `service`
     answers SERVING. grpc_health_probe is a Go binary fetched from GitHub, which
-    cannot be installed here, so grpc's own health stub does the same call."""
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=rpc_timeout
-            )
-        except (grpc.FutureTimeoutError, grpc.RpcError):
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    cannot be installed here; kvsvc.healthprobe (the image's probe where that
+    download fails) makes the same call."""
+    return probe(addr, service, connect_timeout, rpc_timeout)[0] == SERVING
 
 
 # --- helpers ---------------------------------------------------------------------
