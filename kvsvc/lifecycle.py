@@ -5,6 +5,7 @@ fatal failure with --exit-on-fatal), drain and stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -15,8 +16,8 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from kvsvc import __version__
-from kvsvc.config import ConfigError, ServerConfig, server_options
+from kvsvc import __version__, fdbroker
+from kvsvc.config import ConfigError, ServerConfig, grpc_socket, server_options, socket_gid
 from kvsvc.errors import request_parser
 from kvsvc.health import Health, Watchdog
 from kvsvc.server import KVCacheServicer
@@ -32,6 +33,11 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.health = Health()
+        if config.socket_dir:
+            try:
+                fdbroker.prepare_socket_dir(config.socket_dir, socket_gid(config))
+            except OSError as exc:
+                raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from None
         self.servicer = KVCacheServicer(config, self.health)
         self.grpc = grpc.aio.server(options=server_options())
         # Not the generated add_*_to_server: their deserializers raise on bytes that
@@ -46,11 +52,15 @@ class Server:
             ),
             self.grpc,
         )
+        self.unix = grpc_socket(config)  # engines in other containers reach us here
         try:
             self.port = self.grpc.add_insecure_port(config.listen)
             if self.port == 0 and not config.listen.startswith("unix:"):
                 raise RuntimeError("no address bound")
-        except RuntimeError:  # grpc's bare 'Failed to bind' (its C core logs why)
+            if self.unix is not None:
+                self.grpc.add_insecure_port(self.unix)
+                fdbroker.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
+        except (RuntimeError, OSError):  # grpc's bare 'Failed to bind' (its C core logs why)
             # The servicer made the fd socket and worker threads: leave nothing behind.
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
@@ -58,7 +68,8 @@ class Server:
             if self.servicer.remote is not None:
                 self.servicer.remote.close()
             raise ConfigError(
-                f"cannot listen on {config.listen}: grpc could not bind it "
+                f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}: "
+                "grpc could not bind it "
                 "(a port in use, a host that does not resolve, a missing directory?)"
             ) from None
         host = config.listen.rsplit(":", 1)[0]
@@ -88,6 +99,7 @@ class Server:
         if self.servicer.fds is not None:
             self.servicer.fds.start()
         await self.health.start()
+        self._reaper = asyncio.ensure_future(self.servicer.reap())
         await self.grpc.start()
         self.watchdog = Watchdog(
             asyncio.get_running_loop(),
@@ -103,7 +115,7 @@ class Server:
         log.info(
             "kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
             __version__,
-            self.address,
+            self.address + (f" and {self.unix}" if self.unix else ""),
             self.servicer.store.capacity,
             self.servicer.device,
             self.servicer.start_id,
@@ -127,6 +139,9 @@ class Server:
                 grace,
                 sorted(engine.inflight),
             )
+        self._reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reaper
         # The watchdog goes first: workers that end on purpose are not a death.
         self.watchdog.stop()
         engine.shutdown()
