@@ -478,8 +478,6 @@ def check_host(config: ServerConfig) -> None:
     """What the flags name must exist here: a ConfigError naming the flag if not.
     Without these a server reports SERVING and then times out every Map."""
     check_shm_dir(config.shm_dir, "--shm-dir")
-    if config.remote_password_file and config.remote != "off":
-        remote_password(config)  # readable, or a ConfigError naming the flag
     socket_gid(config)
     if config.socket_dir:
         d = config.socket_dir
@@ -488,6 +486,8 @@ def check_host(config: ServerConfig) -> None:
         parent = d if os.path.isdir(d) else os.path.dirname(os.path.abspath(d))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             raise ConfigError(f"--socket-dir {d}: {parent} is not a writable directory")
+    if config.remote_password_file and config.remote != "off":
+        remote_password(config)  # readable, or a ConfigError naming the flag
     if config.fd_socket not in ("auto", "off"):
         parent = os.path.dirname(os.path.abspath(config.fd_socket))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
