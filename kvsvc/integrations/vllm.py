@@ -284,6 +284,11 @@ class _Scheduler:
                 keys, namespace=self.namespace, timeout=self.cfg.lookup_timeout_s
             )
         except KVServiceError as exc:
+            log.debug(
+                "kvsvc lookup %s: failed after %.1f ms",
+                request.request_id,
+                (time.monotonic() - t0) * 1000,
+            )
             self.link.failed()
             self._count("lookup_errors")
             self.warn.warning(
@@ -434,6 +439,7 @@ class _Worker:
         self.finished: set[str] = set()  # finished requests not yet reported sent
         self.stop = threading.Event()
         self.wake = threading.Event()
+        self.checked = 0.0
         self.thread = threading.Thread(target=self._maintain, name="kvsvc-connector", daemon=True)
         log.info(
             "kvsvc connector (worker tp rank %d/%d): target %s, namespace %s",
@@ -676,12 +682,34 @@ class _Worker:
                 with self.lock:
                     mapped = self.mapping is not None
                     unproven = [t for t in self.transfers if t.unproven_since]
-                if not mapped and time.monotonic() >= self.link.down_until:
+                now = time.monotonic()
+                if not mapped and now >= self.link.down_until:
                     self._connect()
+                elif mapped and now - self.checked >= self.cfg.reconnect_interval_s:
+                    self.checked = now
+                    self._check()
                 if unproven:
                     self._fence(unproven)
             except Exception as exc:  # noqa: BLE001 - the thread must keep going
                 self.warn.warning("kvsvc maintainer: %s: %s", type(exc).__name__, exc)
+
+    def _check(self) -> None:
+        """Notice a restarted or vanished kvsvc between transfers, so that the
+        mapping is made again before the next one needs it."""
+        with self.lock:
+            mapping = self.mapping
+        client = self.link.client
+        if mapping is None or client is None:
+            return
+        try:
+            info = client.server_info(timeout=self.cfg.fence_timeout_s)
+        except KVServiceError as exc:
+            self.warn.warning("kvsvc unreachable (%s); mapping again when it is back", exc)
+            self._lost(exc)
+            return
+        if info.server_start_id != mapping.server_start_id:
+            log.info("kvsvc restarted (start %s): mapping again", info.server_start_id)
+            self._lost(MappingLost("server restarted"))
 
     def _fence(self, unproven: list[_Transfer]) -> None:
         """Settle unproven transfers once a Fence by the same server start proves

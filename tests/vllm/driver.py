@@ -110,6 +110,7 @@ def main() -> None:
     try:
         for step in plan["steps"]:
             rec: dict[str, Any] = {"step": step["do"], "name": step.get("name", step["do"])}
+            print(f"driver: {rec['name']} start", file=sys.stderr, flush=True)
             t = time.monotonic()
             rec["t_start"] = time.time()
             if step["do"] == "generate":
@@ -135,7 +136,9 @@ def main() -> None:
             rec["t_end"] = time.time()
             result["steps"].append(rec)
             out_path.write_text(json.dumps(result))
-            print(f"driver: {rec['name']} done in {rec['seconds']:.1f} s", file=sys.stderr)
+            print(
+                f"driver: {rec['name']} done in {rec['seconds']:.1f} s", file=sys.stderr, flush=True
+            )
     finally:
         if server is not None:
             server.kill()
