@@ -531,6 +531,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         else:
             _check_namespace(request.namespace)
             hits = self.store.lookup(request.namespace, keys, None)
+        self.metrics.observe_lookup(hits, len(keys))
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits
