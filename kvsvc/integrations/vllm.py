@@ -769,12 +769,14 @@ def _tp_rank() -> int:
 
 
 def _block_dim(t: torch.Tensor, num_blocks: int) -> int:
-    """The dimension that indexes blocks: the one of size ``num_blocks``
-    (vLLM's layouts differ by version and backend; none is hard-coded)."""
+    """The dimension that indexes blocks: of size ``num_blocks`` and, if several
+    are, the outermost of them (largest stride: a block is a contiguous run in
+    every layout vLLM uses). vLLM's layouts differ by version and backend; none
+    is hard-coded."""
     dims = [i for i, s in enumerate(t.shape) if s == num_blocks]
-    if len(dims) != 1:
-        raise RuntimeError(f"cannot tell the block dimension of KV shape {tuple(t.shape)}")
-    return dims[0]
+    if not dims:
+        raise RuntimeError(f"no dimension of KV shape {tuple(t.shape)} has {num_blocks} blocks")
+    return max(dims, key=lambda i: t.stride(i))
 
 
 # --- the class vLLM loads ---

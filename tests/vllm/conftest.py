@@ -18,8 +18,7 @@ HAVE_VLLM = _spec is not None and _spec.origin is not None
 
 if not HAVE_VLLM and REQUIRED:
     raise RuntimeError(
-        "KVSVC_VLLM_REQUIRED=1 but vLLM is not importable: run `make vllm` "
-        "(it makes .venv-vllm)"
+        "KVSVC_VLLM_REQUIRED=1 but vLLM is not importable: run `make vllm` (it makes .venv-vllm)"
     )
 
 

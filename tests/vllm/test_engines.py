@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed", reason="the vLLM connector tests run in .venv-vllm: make vllm")
+pytest.importorskip(
+    "vllm.distributed", reason="the vLLM connector tests run in .venv-vllm: make vllm"
+)
 
 from driver import KvsvcProcess, poll
 from vllm_helpers import connector_config, free_port, make_model, run_engine
