@@ -112,6 +112,7 @@ class Op:
 class KvsvcConnectorMetadata(KVConnectorMetadata):
     loads: list[Op] = field(default_factory=list)
     stores: list[Op] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -234,6 +235,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     next_chunk: int = 0  # chunks before it are stored, loaded or planned
     had_store: bool = False
+    load_planned: bool = False
 
 
 class _Scheduler:
@@ -265,6 +267,11 @@ class _Scheduler:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         self.matched.pop(request.request_id, None)
+        req = self.reqs.get(request.request_id)
+        if req is not None and req.load_planned:
+            # Asked again after a load: it failed and vLLM recomputes. One load per
+            # request, so a persistent failure cannot loop (lookup, load, fail, ...).
+            return 0, False
         # Never the whole prompt: vLLM computes at least its last token.
         chunks = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         chunks //= self.chunk_blocks
@@ -333,15 +340,18 @@ class _Scheduler:
                 raise ValueError(f"{len(ids)} blocks allocated for {first + n} chunks")
         except Exception:
             # The request now waits for its load: the worker must still report it.
+            req.load_planned = True
             self.loads.append(Op(request.request_id, []))
             raise
         req.next_chunk = first + n
+        req.load_planned = True
         self.loads.append(Op(request.request_id, chunks))
         self._count("load_planned_chunks", n)
 
     def build_connector_meta(self, out: Any) -> KvsvcConnectorMetadata:
         meta = KvsvcConnectorMetadata(loads=self.loads)
         self.loads = []
+        meta.preempted = set(getattr(out, "preempted_req_ids", None) or ())
         try:
             meta.stores = self._stores(out)
         except Exception as exc:  # noqa: BLE001 - the loads must reach the workers
@@ -430,7 +440,8 @@ class _Worker:
         self.region: pb.RankRegion | None = None
         self.fd = -1
         self.mm: mmap.mmap | None = None
-        self.mapping: MappingHandle | None = None
+        self.mapping: MappingHandle | None = None  # None: not usable now
+        self.known: MappingHandle | None = None  # the last one made
         self.transfers: list[_Transfer] = []  # in flight or unproven
         self.recv_done: set[str] = set()
         self.recv_failed_reqs: set[str] = set()
@@ -515,6 +526,14 @@ class _Worker:
         if client is None or self.region is None:
             return
         try:
+            info = client.server_info(timeout=self.cfg.fence_timeout_s)
+            known = self.known
+            if known is not None and info.server_start_id == known.server_start_id:
+                # The same server start (only the channel failed): its mapping holds.
+                with self.lock:
+                    self.mapping = known
+                log.info("kvsvc: reconnected; mapping %s still holds", known.mapping_id)
+                return
             region = pb.RankRegion()
             region.CopyFrom(self.region)
             if self.fd >= 0:
@@ -532,7 +551,7 @@ class _Worker:
             )
             return
         with self.lock:
-            self.mapping = mapping
+            self.mapping = self.known = mapping
         log.info(
             "kvsvc: mapped as %s (server start %s)", mapping.mapping_id, mapping.server_start_id
         )
@@ -563,6 +582,28 @@ class _Worker:
                 self._count("store_failures")
                 self.warn.warning("kvsvc store not started: %s: %s", type(exc).__name__, exc)
 
+    def preempted(self, meta: KvsvcConnectorMetadata) -> None:
+        """vLLM frees a preempted request's blocks without asking: let its stores
+        end first (bounded by their own deadline)."""
+        with self.lock:
+            busy = [t for t in self.transfers if t.kind == "store" and t.req_id in meta.preempted]
+        deadline = time.monotonic() + self.cfg.store_timeout_s
+        for t in busy:
+            with contextlib.suppress(Exception):
+                t.future.exception(timeout=max(0.0, deadline - time.monotonic()))
+        self._poll()
+        with self.lock:
+            left = [
+                t.req_id for t in self.transfers if t.kind == "store" and t.req_id in meta.preempted
+            ]
+        if left:
+            self._count("preempted_unproven_stores", len(left))
+            log.error(
+                "kvsvc: requests %s were preempted while a store may still read their "
+                "blocks; those entries may hold KV rewritten meanwhile",
+                sorted(set(left)),
+            )
+
     def _start(self, op: Op, kind: str) -> None:
         blocks = [b for _, b in op.chunks]
         with self.lock:
@@ -579,7 +620,7 @@ class _Worker:
         with self.lock:
             self.transfers.append(_Transfer(op.req_id, kind, fut, blocks, mapping.server_start_id))
 
-    def _fail_load(self, req_id: str, blocks: list[list[int]], exc: BaseException | None) -> None:
+    def _fail_load(self, req_id: str, blocks: list[list[int]], why: BaseException | str) -> None:
         n = sum(len(b) for b in blocks)
         self._count("load_failed_blocks", n)
         with self.lock:
@@ -592,7 +633,7 @@ class _Worker:
             "kvsvc: load of request %s failed (%d blocks): %s; vLLM recomputes them",
             req_id,
             n,
-            f"{type(exc).__name__}: {exc}" if exc else "partial",
+            why if isinstance(why, str) else f"{type(why).__name__}: {why}",
         )
 
     def _poll(self) -> None:
@@ -608,7 +649,7 @@ class _Worker:
                     loaded = int(r.loaded_chunks)
                     self._count("loaded_blocks", sum(len(b) for b in t.blocks[:loaded]))
                     if loaded < len(t.blocks):  # evicted since the lookup
-                        self._fail_load(t.req_id, t.blocks[loaded:], None)
+                        self._fail_load(t.req_id, t.blocks[loaded:], "evicted since the lookup")
                     else:
                         with self.lock:
                             self.recv_done.add(t.req_id)
@@ -636,7 +677,7 @@ class _Worker:
             self._lost(exc)
             self._settle_failed(t, exc)
 
-    def _settle_failed(self, t: _Transfer, exc: BaseException | None) -> None:
+    def _settle_failed(self, t: _Transfer, exc: BaseException | str) -> None:
         if t.kind == "load":
             self._fail_load(t.req_id, t.blocks, exc)
         else:
@@ -750,7 +791,7 @@ class _Worker:
                 t.req_id,
                 time.monotonic() - t.unproven_since,
             )
-            self._settle_failed(t, None)
+            self._settle_failed(t, "its outcome was unknown; a fence proved it ended")
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -840,6 +881,12 @@ class KvsvcConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, KvsvcConnectorMetadata):
             self.worker.start_load_kv(meta)
+
+    @_guarded(lambda self, *a: None)
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        meta = kv_connector_metadata
+        if self.worker is not None and isinstance(meta, KvsvcConnectorMetadata) and meta.preempted:
+            self.worker.preempted(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: vLLM schedules a request once they ended

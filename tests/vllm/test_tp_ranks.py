@@ -124,6 +124,19 @@ def test_a_chunk_hits_only_when_every_rank_stored_it(server, monkeypatch) -> Non
     run_step(w1, store, load=False)
     settle(w1, "r1", recv=False)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23, 24],))
+    sched.update_state_after_alloc(req, blocks, 4 * BLOCK)
+    meta = sched.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
+            num_scheduled_tokens={},
+            preempted_req_ids=None,
+        )
+    )
+    assert meta.loads == [kv.Op("r1", [(h, [20 + i]) for i, h in enumerate(hs)])]
+    # Asked again (its load failed, vLLM recomputes): no second load of the request.
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
     # Each rank loads its own shard (per-rank keys), into other blocks.
     load = kv.KvsvcConnectorMetadata(loads=[kv.Op("r2", [(h, [10 + i]) for i, h in enumerate(hs)])])
