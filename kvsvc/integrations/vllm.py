@@ -216,9 +216,13 @@ class _Link:
     def failed(self) -> None:
         self.down_until = time.monotonic() + self.cfg.reconnect_interval_s
         if self.client is not None:
-            # In-flight futures still use it: closed at shutdown, not now.
+            # In-flight futures may still use it: closed later, not now. A call
+            # still running on one closed here ends as Cancelled (UNKNOWN: fenced).
             self.old.append(self.client)
             self.client = None
+            while len(self.old) > 4:
+                with contextlib.suppress(Exception):
+                    self.old.pop(0).close()
 
     def close(self) -> None:
         for c in [*self.old, *([self.client] if self.client else [])]:
