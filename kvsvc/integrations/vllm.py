@@ -427,6 +427,7 @@ class _Transfer:
     start_id: str
     transfer_id: str = ""
     unproven_since: float = 0.0
+    started: float = field(default_factory=time.monotonic)
 
 
 class _Worker:
@@ -647,6 +648,12 @@ class _Worker:
             done = [t for t in self.transfers if t.future.done() and not t.unproven_since]
         for t in done:
             exc = t.future.exception()
+            log.debug(
+                "kvsvc %s of request %s settled %.1f ms after it started",
+                t.kind,
+                t.req_id,
+                (time.monotonic() - t.started) * 1000,
+            )
             if exc is None:
                 r = t.future.result()
                 if t.kind == "load":
