@@ -494,7 +494,10 @@ class _Worker:
         nbytes = storage.nbytes()
         t0 = time.perf_counter()
         fd = make_sealed_memfd(f"kvsvc-vllm-tp{self.rank}", nbytes)
-        mm = mmap.mmap(fd, nbytes)
+        # Populated now, as vLLM's torch.zeros touched its allocation: otherwise each
+        # first write to a block faults its pages in on the request path.
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
         fresh = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
         # No copy: vLLM 0.32 registers its cache before anything writes it (zeros).
         storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
