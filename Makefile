@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test install proto check-proto lint typecheck buf pytest clients cpp languages deploy clean
+.PHONY: serve test install native proto check-proto lint typecheck buf pytest clients cpp languages deploy clean
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
@@ -23,7 +23,14 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 	@echo "make: installed; the kvsvc command is $(VENV)/bin/kvsvc (or: source $(VENV)/bin/activate)"
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed native
+
+# The native copy loop (copy + CRC-32C per segment, one GIL-free call per task):
+# only cc and libc headers; without it kvsvc runs the same loop in Python.
+NATIVE_SO := kvsvc/native/libkvsvc_copy.so
+native: $(NATIVE_SO)
+$(NATIVE_SO): kvsvc/native/copyloop.c
+	$(CC) -O3 -Wall -Wextra -Werror -shared -fPIC -o $@ $<
 
 serve: install
 	@echo "make serve: $(VENV)/bin/kvsvc serve (Ctrl-C stops it); then, in another terminal:" \
