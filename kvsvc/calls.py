@@ -220,10 +220,14 @@ class Core:
         transfer_timeout: float = DEFAULT_TRANSFER_DEADLINE_S,
         control_timeout: float = DEFAULT_CONTROL_DEADLINE_S,
         remap_on_restart: bool = False,
+        session: bool = True,
     ) -> None:
         self.transfer_timeout = validate_deadline(transfer_timeout, "transfer_timeout")
         self.control_timeout = validate_deadline(control_timeout, "control_timeout")
         self.remap_on_restart = remap_on_restart
+        #: Lookup/Store/Retrieve/Fence over one Session stream (unary where the
+        #: server has none); False: every call unary.
+        self.use_session = session
         self.leases = Leases()
 
     def leased_blocks(self, mapping: MappingHandle) -> set[int]:

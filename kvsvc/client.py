@@ -17,13 +17,14 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import grpc
 
-from kvsvc import calls
+from kvsvc import calls, session
 from kvsvc.calls import (
     CALLS,
     DEFAULT,
@@ -38,6 +39,7 @@ from kvsvc.calls import (
 )
 from kvsvc.config import channel_options
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
+from kvsvc.session import AsyncSession, StreamStatus, SyncSession
 
 __all__ = [
     "DEFAULT",
@@ -74,6 +76,10 @@ def _outcome(fn: Callable[[], Any]) -> Outcome:
         return fn(), None
     except KVServiceError as exc:
         return None, exc
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
@@ -150,9 +156,32 @@ class KVCacheClient(Core):
         self.target = target
         self._channel = grpc.insecure_channel(target, options=channel_options())
         self._rpcs = _rpcs(self._channel)
+        self._session: SyncSession | None = None
+        self._session_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._session_lock:
+            self.use_session = False
+            if self._session is not None:
+                self._session.close()
         self._channel.close()
+
+    def _session_for(self, plan: Plan[Any]) -> SyncSession | None:
+        """The open session (opened again after a break), or None: unary."""
+        if not (self.use_session and session.carries(plan)):
+            return None
+        with self._session_lock:
+            s = self._session
+            if s is None or s.failure is not None:
+                s = self._session = SyncSession(self._channel)
+            return s
+
+    def _unsupported(self, error: BaseException | None) -> bool:
+        """The server has no Session RPC: this client goes unary from now on."""
+        if isinstance(error, StreamStatus) and error.code() is grpc.StatusCode.UNIMPLEMENTED:
+            self.use_session = False
+            return True
+        return False
 
     def __enter__(self) -> KVCacheClient:
         return self
@@ -190,12 +219,29 @@ class KVCacheClient(Core):
     def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = self._send(plan)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except ValueError as exc:  # "Cannot invoke RPC on closed channel!"
             raise self._local_error(plan, exc) from exc
         return self._after(plan, response)
+
+    def _send(self, plan: Plan[Any]) -> Any:
+        s = self._session_for(plan)
+        if s is not None:
+            answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            s.send(plan, lambda r, e: answer.set_exception(e) if e else answer.set_result(r))
+            try:
+                # The session ends every request by its deadline; this bound is a backstop.
+                return answer.result(plan.timeout + 10)
+            except concurrent.futures.TimeoutError:
+                raise session.StreamStatus(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer from the session"
+                ) from None
+            except grpc.RpcError as exc:
+                if not self._unsupported(exc):
+                    raise
+        return self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
 
     def _future(self, steps: Steps[R]) -> concurrent.futures.Future[R]:
         out: concurrent.futures.Future[R] = concurrent.futures.Future()
@@ -220,18 +266,10 @@ class KVCacheClient(Core):
             outcome = _outcome(step.fn)  # blocking work runs here; no *_async method has any
         plan = step
         self._before(plan)
-        try:
-            call = self._rpcs[plan.call.method].future(plan.request, timeout=plan.timeout)
-        except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
-            self._advance(out, steps, (None, self._transport_error(plan, exc)))
-            return
-        except ValueError as exc:  # closed channel
-            self._advance(out, steps, (None, self._local_error(plan, exc)))
-            return
 
-        def done(f: grpc.Future) -> None:
+        def done(result: Callable[[], Any]) -> None:
             try:
-                outcome: Outcome = (self._after(plan, f.result()), None)
+                outcome: Outcome = (self._after(plan, result()), None)
             except grpc.RpcError as exc:
                 err = self._transport_error(plan, exc)
                 err.__cause__ = exc
@@ -243,7 +281,30 @@ class KVCacheClient(Core):
                 return
             self._advance(out, steps, outcome)
 
-        call.add_done_callback(done)
+        def unary() -> None:
+            try:
+                call = self._rpcs[plan.call.method].future(plan.request, timeout=plan.timeout)
+            except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
+                self._advance(out, steps, (None, self._transport_error(plan, exc)))
+                return
+            except ValueError as exc:  # closed channel
+                self._advance(out, steps, (None, self._local_error(plan, exc)))
+                return
+            call.add_done_callback(lambda f: done(f.result))
+
+        def answered(response: Any, error: BaseException | None) -> None:
+            if error is None:
+                done(lambda: response)
+            elif self._unsupported(error):
+                unary()
+            else:
+                done(functools.partial(_raise, error))
+
+        s = self._session_for(plan)
+        if s is not None:
+            s.send(plan, answered)
+        else:
+            unary()
 
 
 class AsyncKVCacheClient(Core):
@@ -254,9 +315,32 @@ class AsyncKVCacheClient(Core):
         self.target = target
         self._channel = grpc.aio.insecure_channel(target, options=channel_options())
         self._rpcs = _rpcs(self._channel)
+        self._session: AsyncSession | None = None
 
     async def close(self) -> None:
+        self.use_session = False
+        if self._session is not None:
+            await self._session.close()
         await self._channel.close()
+
+    def _session_for(self, plan: Plan[Any]) -> AsyncSession | None:
+        """The open session (opened again after a break), or None: unary."""
+        if not (self.use_session and session.carries(plan)):
+            return None
+        if self._session is None or self._session.failure is not None:
+            self._session = AsyncSession(self._channel)
+        return self._session
+
+    async def _send(self, plan: Plan[Any]) -> Any:
+        s = self._session_for(plan)
+        if s is not None:
+            try:
+                return await s.request(plan)
+            except StreamStatus as exc:
+                if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.use_session = False  # the server has no Session RPC: unary from now on
+        return await self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
 
     async def __aenter__(self) -> AsyncKVCacheClient:
         return self
@@ -297,7 +381,7 @@ class AsyncKVCacheClient(Core):
     async def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = await self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = await self._send(plan)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except grpc.aio.UsageError as exc:  # closed channel
