@@ -125,7 +125,8 @@ class ChunkBuffer:
 
     view: memoryview
     addr: int  # where ``view`` starts, for memcpy
-    tensor: torch.Tensor  # the same bytes (pinned on CUDA hosts), for CUDA copies
+    store_tensor: torch.Tensor  # the whole store (pinned on CUDA hosts)
+    offset: int  # of the chunk in ``store_tensor``
     namespace: str
     key: bytes
     expected: list[int]  # stored checksums, one per segment (empty while storing)
@@ -134,6 +135,12 @@ class ChunkBuffer:
     @property
     def size(self) -> int:
         return len(self.view)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The chunk's bytes as a tensor, for CUDA copies (a torch slice costs
+        microseconds: only CUDA copies make it)."""
+        return self.store_tensor[self.offset : self.offset + self.size]
 
     def verify(self, segment: int, digest: int) -> None:
         """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
