@@ -129,10 +129,11 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 if type(request) is Unparsed:  # its bytes did not parse (logged when parsed)
                     outcome = MalformedRequest.reason
                     return response_cls(error=request.envelope(request_id, transfer))
-                if remaining is None or bound:
+                if (remaining is None or bound) and (is_async or failpoints.ENABLED):
                     # No client deadline: the default one bounds every wait here. A
                     # Session request's own: its client answers itself at the deadline
                     # (as gRPC does for unary calls), so the server ends a little later.
+                    # A plain handler never waits (only a failpoint may): unbounded.
                     grace = SESSION_GRACE_S if remaining is not None else 0.0
                     return await self._bounded(
                         dispatch(self, request, call), name, call, remaining is None, grace
