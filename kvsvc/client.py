@@ -32,6 +32,7 @@ from kvsvc.calls import (
     Blocking,
     Core,
     MappingHandle,
+    Parallel,
     Plan,
     Step,
     Steps,
@@ -76,6 +77,16 @@ def _outcome(fn: Callable[[], Any]) -> Outcome:
         return fn(), None
     except KVServiceError as exc:
         return None, exc
+
+
+def _settled(f: concurrent.futures.Future[Any]) -> Any:
+    """A finished call's result, or its typed error as a value; anything else raises."""
+    exc = f.exception()
+    if exc is None:
+        return f.result()
+    if isinstance(exc, KVServiceError):
+        return exc
+    raise exc
 
 
 def _raise(error: BaseException) -> Any:
@@ -196,6 +207,8 @@ class KVCacheClient(Core):
     retrieve = _sync(calls.retrieve)
     store_async = _sync_future(calls.store_async)
     retrieve_async = _sync_future(calls.retrieve_async)
+    store_many = _sync(calls.store_many)
+    retrieve_many = _sync(calls.retrieve_many)
     lookup = _sync(calls.lookup)
     fence = _sync(calls.fence)
     server_info = _sync(calls.server_info)
@@ -214,6 +227,9 @@ class KVCacheClient(Core):
     def _do(self, step: Step) -> Any:
         if isinstance(step, Blocking):
             return step.fn()
+        if isinstance(step, Parallel):
+            futures = [self._future(calls._send(plan)) for plan in step.plans]
+            return [_settled(f) for f in futures]  # each ends by its deadline
         return self._call(step)
 
     def _call(self, plan: Plan[R]) -> R:
@@ -263,7 +279,8 @@ class KVCacheClient(Core):
                 return
             if isinstance(step, Plan):
                 break
-            outcome = _outcome(step.fn)  # blocking work runs here; no *_async method has any
+            # blocking work runs here; no *_async method has any
+            outcome = _outcome(functools.partial(self._do, step))
         plan = step
         self._before(plan)
 
@@ -355,6 +372,8 @@ class AsyncKVCacheClient(Core):
     retrieve = _async(calls.retrieve)
     store_async = _async_task(calls.store_async)
     retrieve_async = _async_task(calls.retrieve_async)
+    store_many = _async(calls.store_many)
+    retrieve_many = _async(calls.retrieve_many)
     lookup = _async(calls.lookup)
     fence = _async(calls.fence)
     server_info = _async(calls.server_info)
@@ -376,6 +395,14 @@ class AsyncKVCacheClient(Core):
     async def _do(self, step: Step) -> Any:
         if isinstance(step, Blocking):
             return await asyncio.to_thread(step.fn)
+        if isinstance(step, Parallel):
+            out = await asyncio.gather(
+                *(self._run(calls._send(plan)) for plan in step.plans), return_exceptions=True
+            )
+            for item in out:  # typed errors are results here; anything else is raised
+                if isinstance(item, BaseException) and not isinstance(item, KVServiceError):
+                    raise item
+            return out
         return await self._call(step)
 
     async def _call(self, plan: Plan[R]) -> R:

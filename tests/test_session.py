@@ -19,6 +19,7 @@ from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.errors import (
     NOT_STARTED,
     DeadlineExceeded,
+    InvalidRequest,
     MappingLost,
     ServiceUnavailable,
     TransferUnprovable,
@@ -200,3 +201,26 @@ async def test_async_client_uses_a_session_and_a_break_ends_its_requests(
         assert ac.leased_blocks(m) == {1, 2}
     finally:
         await ac.close()
+
+
+def test_store_many_and_retrieve_many_answer_each_request(server, client, shm_dir) -> None:
+    src, dst = make_cache(shm_dir, "ms", seed=5), make_cache(shm_dir, "md")
+    m_src, m_dst = client.map("ns", [src.rank_region()]), client.map("ns", [dst.rank_region()])
+    stored = client.store_many(m_src, [[(b"a", [0])], [(b"b", [1, 2])], [(b"c", [99])]])
+    assert [r.stored_chunks for r in stored[:2]] == [1, 1]
+    assert isinstance(stored[2], InvalidRequest) and stored[2].reason == "BLOCK_OUT_OF_RANGE"
+    assert client.leased_blocks(m_src) == set()  # every outcome proven, each lease settled
+    got = client.retrieve_many(m_dst, [[(b"a", [5])], [(b"b", [6, 7])]])
+    assert [r.loaded_chunks for r in got] == [1, 1]
+    assert dst.layers[1][:, 5:8].equal(src.layers[1][:, 0:3])
+
+    async def go() -> list:
+        async with AsyncKVCacheClient(server.address) as ac:
+            m = await ac.map("ns", [src.rank_region()])
+            out = await ac.store_many(m, [[(b"d", [3])], [(b"e", [40])]])
+            assert ac.leased_blocks(m) == set()
+            return out
+
+    out = asyncio.run(go())
+    assert out[0].stored_chunks == 1
+    assert isinstance(out[1], InvalidRequest) and out[1].reason == "BLOCK_OUT_OF_RANGE"
