@@ -185,8 +185,8 @@ class SyncSession:
                 self._wake.wait(wait)
 
     def close(self) -> None:
+        self._fail(_closed())  # first: the reader then sees a cancelled stream
         self._call.cancel()
-        self._fail(_closed())
 
 
 class AsyncSession:
@@ -260,8 +260,8 @@ class AsyncSession:
                 fut.set_exception(failure)
 
     async def close(self) -> None:
+        self._fail(_closed())  # first: the reader then sees a cancelled stream
         self._call.cancel()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):  # one that never started
             await self._reader
-        self._fail(_closed())
