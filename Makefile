@@ -26,11 +26,14 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed native
 
 # The native copy loop (copy + CRC-32C per segment, one GIL-free call per task):
-# only cc and libc headers; without it kvsvc runs the same loop in Python.
+# only cc and libc headers (~1 s); without a compiler kvsvc runs the same loop in Python.
+# Built aside and renamed: a running server keeps the library it mapped.
 NATIVE_SO := kvsvc/native/libkvsvc_copy.so
 native: $(NATIVE_SO)
 $(NATIVE_SO): kvsvc/native/copyloop.c
-	$(CC) -O3 -Wall -Wextra -Werror -shared -fPIC -o $@ $<
+	@if command -v $(CC) >/dev/null; then echo "$(CC) -O3 -shared -fPIC -o $@ $<"; \
+	  $(CC) -O3 -Wall -Wextra -shared -fPIC -o $@.tmp $< && mv $@.tmp $@; \
+	  else echo "make: no C compiler ($(CC)): kvsvc copies with its Python loop"; fi
 
 serve: install
 	@echo "make serve: $(VENV)/bin/kvsvc serve (Ctrl-C stops it); then, in another terminal:" \
