@@ -115,3 +115,10 @@ def test_a_native_copy_lets_other_threads_run(native: copies.NativeCopy) -> None
         stop.set()
         spinner.join(10)
     assert max(moved) > 0, moved
+
+
+def test_a_missing_or_broken_library_means_the_python_loop(tmp_path) -> None:
+    assert copies.load_native(tmp_path / "libkvsvc_copy.so") is None
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(b"not a shared object")
+    assert copies.load_native(bad) is None
