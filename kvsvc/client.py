@@ -79,16 +79,6 @@ def _outcome(fn: Callable[[], Any]) -> Outcome:
         return None, exc
 
 
-def _settled(f: concurrent.futures.Future[Any]) -> Any:
-    """A finished call's result, or its typed error as a value; anything else raises."""
-    exc = f.exception()
-    if exc is None:
-        return f.result()
-    if isinstance(exc, KVServiceError):
-        return exc
-    raise exc
-
-
 def _raise(error: BaseException) -> Any:
     raise error
 
@@ -229,7 +219,7 @@ class KVCacheClient(Core):
             return step.fn()
         if isinstance(step, Parallel):
             futures = [self._future(calls._send(plan)) for plan in step.plans]
-            return [_settled(f) for f in futures]  # each ends by its deadline
+            return [self._settled(f, plan) for f, plan in zip(futures, step.plans, strict=True)]
         return self._call(step)
 
     def _call(self, plan: Plan[R]) -> R:
@@ -258,6 +248,20 @@ class KVCacheClient(Core):
                 if not self._unsupported(exc):
                     raise
         return self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+
+    def _settled(self, f: concurrent.futures.Future[Any], plan: Plan[Any]) -> Any:
+        """A call's result, or its typed error as a value; anything else raises."""
+        try:
+            # Each call ends by its deadline (gRPC's or the session's); this is a backstop.
+            exc = f.exception(plan.timeout + 10)
+        except concurrent.futures.TimeoutError:
+            status = session.StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+            return self._transport_error(plan, status)
+        if exc is None:
+            return f.result()
+        if isinstance(exc, KVServiceError):
+            return exc
+        raise exc
 
     def _future(self, steps: Steps[R]) -> concurrent.futures.Future[R]:
         out: concurrent.futures.Future[R] = concurrent.futures.Future()
