@@ -120,6 +120,7 @@ class Server:
             await asyncio.sleep(0.02)
         # Copies are drained; other calls are short, and health Watch streams never
         # end on their own, so they must not hold the exit for the whole grace.
+        self.servicer.end_sessions()
         await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         if engine.inflight:
             log.warning(

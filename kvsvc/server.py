@@ -60,6 +60,8 @@ MAP_RETRY_S = 0.02
 #: A SessionRequest's kind -> the RPC whose wrapper and handler serve it.
 #: How long after a Session request's deadline the server stops waiting for it.
 SESSION_GRACE_S = 1.0
+#: Put in a Session's answer queue by ``end_sessions``.
+_END_SESSION = pb.SessionResponse()
 SESSION_RPCS = {"lookup": "Lookup", "store": "Store", "retrieve": "Retrieve", "fence": "Fence"}
 
 
@@ -178,6 +180,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
+        self._sessions: set[asyncio.Queue[pb.SessionResponse | None]] = set()
+        self._sessions_ending = False
         self.fds = self._fd_broker(config)
         self.metrics = Metrics(
             store=self.store,
@@ -592,6 +596,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         health, metrics, failpoints, errors as on unary); answers go out as they are
         ready. When the stream ends, pending requests are cancelled as a unary call
         whose client went away would be (a started copy stays tracked for Fence)."""
+        # Sent at once: a client writes no request before it knows the server has
+        # this RPC (an older server's UNIMPLEMENTED then never races a write).
+        await context.send_initial_metadata(())
+        if self._sessions_ending:
+            return
         out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         reading = [True]
@@ -616,13 +625,26 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     out.put_nowait(None)
 
         reader = self.loop.create_task(read())
+        self._sessions.add(out)
         try:
             while (response := await out.get()) is not None:
+                if response is _END_SESSION:  # shutdown: read no more, answer what is held
+                    reader.cancel()
+                    continue
                 yield response
         finally:
+            self._sessions.discard(out)
             reader.cancel()
             for task in list(pending):
                 task.cancel()
+
+    def end_sessions(self) -> None:
+        """At shutdown, once copies are drained: every Session stream stops reading,
+        answers what it holds and ends (left open, the server's stop would cancel
+        it, and grpc logs each cancelled handler as an ERROR)."""
+        self._sessions_ending = True
+        for out in self._sessions:
+            out.put_nowait(_END_SESSION)
 
     async def _session_request(
         self, request: pb.SessionRequest, context: grpc.aio.ServicerContext

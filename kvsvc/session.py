@@ -110,11 +110,19 @@ class SyncSession:
             response_deserializer=pb.SessionResponse.FromString,
             _registered_method=True,
         )
+        self._opened = threading.Event()
         self._call = stream(self._requests())
+        self._opened.set()
         threading.Thread(target=self._read, name="kvsvc-session-read", daemon=True).start()
         threading.Thread(target=self._expire, name="kvsvc-session-timer", daemon=True).start()
 
     def _requests(self) -> Iterator[pb.SessionRequest]:
+        # (grpc's thread) Nothing is written before the server's initial metadata: a
+        # server without the RPC then answers UNIMPLEMENTED, never a racing INTERNAL.
+        self._opened.wait()
+        self._call.initial_metadata()
+        if self._call.done():
+            return
         while (req := self._out.get()) is not None:
             yield req
 
@@ -208,6 +216,11 @@ class AsyncSession:
         self._reader = self._loop.create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.SessionRequest]:
+        # Nothing is written before the server's initial metadata: a server without
+        # the RPC then answers UNIMPLEMENTED, never a racing INTERNAL.
+        await self._call.initial_metadata()
+        if self._call.done():
+            return
         while (req := await self._out.get()) is not None:
             yield req
 
