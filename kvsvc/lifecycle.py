@@ -76,13 +76,15 @@ class Server:
         self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
 
     def _add_service(self, service: ServiceDescriptor, servicer: object) -> None:
-        """Register ``servicer``'s unary methods with requests parsed by
+        """Register ``servicer``'s methods with requests parsed by
         :func:`request_parser`, so a message that does not parse gets a typed reply."""
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method in service.methods:
-            assert not method.client_streaming, method.full_name
+            assert not method.client_streaming or method.server_streaming, method.full_name
             make = (
-                grpc.unary_stream_rpc_method_handler
+                grpc.stream_stream_rpc_method_handler
+                if method.client_streaming
+                else grpc.unary_stream_rpc_method_handler
                 if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler
             )
@@ -132,6 +134,7 @@ class Server:
             await asyncio.sleep(0.02)
         # Copies are drained; other calls are short, and health Watch streams never
         # end on their own, so they must not hold the exit for the whole grace.
+        self.servicer.end_sessions()
         await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         if engine.inflight:
             log.warning(

@@ -19,7 +19,8 @@ import functools
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -355,6 +356,8 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
+    #: kvsvc.copies' copy plans of this mapping by block ids: they die with it.
+    plans: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(

@@ -12,7 +12,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from time import monotonic
 from typing import Any, TypeVar
 
@@ -62,6 +62,12 @@ from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 log = logging.getLogger("kvsvc.server")
 R = TypeVar("R")
 MAP_RETRY_S = 0.02
+#: A SessionRequest's kind -> the RPC whose wrapper and handler serve it.
+#: How long after a Session request's deadline the server stops waiting for it.
+SESSION_GRACE_S = 1.0
+#: Put in a Session's answer queue by ``end_sessions``.
+_END_SESSION = pb.SessionResponse()
+SESSION_RPCS = {"lookup": "Lookup", "store": "Store", "retrieve": "Retrieve", "fence": "Fence"}
 
 
 class Call:
@@ -110,12 +116,16 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             # A handler may build its whole response (cheaper than copying a result in).
             return result if type(result) is response_cls else response_cls(result=result)
 
-        @functools.wraps(fn)
-        async def handler(
-            self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+        async def serve(
+            self: KVCacheServicer,
+            request: Any,
+            context: grpc.aio.ServicerContext,
+            remaining: float | None,
+            bound: bool,
         ) -> Any:
+            """One request, from a unary call or a Session stream (``bound``: nothing
+            else ends it at its deadline, so the wrapper does)."""
             request_id = request.header.request_id or new_request_id()
-            remaining = context.time_remaining()
             started = monotonic()  # one clock for the deadline and the latency metric
             call = Call(
                 request_id,
@@ -128,9 +138,15 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 if type(request) is Unparsed:  # its bytes did not parse (logged when parsed)
                     outcome = MalformedRequest.reason
                     return response_cls(error=request.envelope(request_id, transfer))
-                if remaining is None:
-                    # No client deadline: the default one bounds every wait here.
-                    return await self._bounded(dispatch(self, request, call), name, call)
+                if (remaining is None or bound) and (is_async or failpoints.ENABLED):
+                    # No client deadline: the default one bounds every wait here. A
+                    # Session request's own: its client answers itself at the deadline
+                    # (as gRPC does for unary calls), so the server ends a little later.
+                    # A plain handler never waits (only a failpoint may): unbounded.
+                    grace = SESSION_GRACE_S if remaining is not None else 0.0
+                    return await self._bounded(
+                        dispatch(self, request, call), name, call, remaining is None, grace
+                    )
                 return await dispatch(self, request, call)
             except asyncio.CancelledError:
                 # The client cancelled or its deadline passed: nobody reads a reply.
@@ -145,6 +161,13 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 REQUEST_ID.reset(token)
                 self.metrics.observe_request(name, outcome, monotonic() - started)
 
+        @functools.wraps(fn)
+        async def handler(
+            self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+        ) -> Any:
+            return await serve(self, request, context, context.time_remaining(), False)
+
+        handler.serve = serve  # type: ignore[attr-defined]  # for Session's requests
         return handler
 
     return decorate
@@ -168,6 +191,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
+        self._sessions: set[asyncio.Queue[pb.SessionResponse | None]] = set()
+        self._sessions_ending = False
         self.fds = self._fd_broker(config)
         self._reap_wake = asyncio.Event()
         if self.fds is not None:
@@ -200,13 +225,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
             return None
 
-    async def _bounded(self, work: Awaitable[Any], name: str, call: Call) -> Any:
-        """Run a call that carries no deadline within the server's default: a handler
-        that hangs or a copy that runs long is answered at the deadline all the same
-        (a copy that goes on is tracked, answered UNKNOWN, and Fence proves its end)."""
+    async def _bounded(
+        self, work: Awaitable[Any], name: str, call: Call, default: bool, grace: float = 0.0
+    ) -> Any:
+        """Run a call within its deadline (``default``: the server's, the call carried
+        none): a handler that hangs or a copy that runs long is answered at the
+        deadline all the same (a copy that goes on is tracked, answered UNKNOWN, and
+        Fence proves its end). Unary calls with a deadline have gRPC for this."""
         # At the deadline itself: handlers give up a little earlier with a better
         # error (they keep a reply budget); this only catches what does not.
-        limit = max(0.0, call.deadline - monotonic())
+        limit = max(0.0, call.deadline + grace - monotonic())
         try:
             return await asyncio.wait_for(work, limit)
         except asyncio.TimeoutError:
@@ -215,6 +243,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             state = NO_TRANSFER
             if call.transfer:
                 state = self.engine.state_of(call.request_id) if call.started else NOT_STARTED
+            if not default:
+                raise DeadlineExceeded(
+                    f"{name} did not finish within its deadline", transfer_state=state
+                ) from None
             raise DeadlineExceeded(
                 f"{name} did not finish within the server's default deadline of "
                 f"{self.config.default_deadline:g} s (the call carried no deadline)",
@@ -640,6 +672,85 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return pb.FenceResult(
             waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
         )
+
+    async def Session(
+        self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Each request runs as its own task through its unary RPC's wrapper (checks,
+        health, metrics, failpoints, errors as on unary); answers go out as they are
+        ready. When the stream ends, pending requests are cancelled as a unary call
+        whose client went away would be (a started copy stays tracked for Fence)."""
+        # Sent at once: a client writes no request before it knows the server has
+        # this RPC (an older server's UNIMPLEMENTED then never races a write).
+        await context.send_initial_metadata(())
+        if self._sessions_ending:
+            return
+        out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+        reading = [True]
+
+        def finished(task: asyncio.Task[None]) -> None:
+            pending.discard(task)
+            if not reading[0] and not pending:
+                out.put_nowait(None)
+
+        async def answer(request: pb.SessionRequest) -> None:
+            out.put_nowait(await self._session_request(request, context))
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = self.loop.create_task(answer(request))
+                    pending.add(task)
+                    task.add_done_callback(finished)
+            finally:
+                reading[0] = False
+                if not pending:
+                    out.put_nowait(None)
+
+        reader = self.loop.create_task(read())
+        self._sessions.add(out)
+        try:
+            while (response := await out.get()) is not None:
+                if response is _END_SESSION:  # shutdown: read no more, answer what is held
+                    reader.cancel()
+                    continue
+                yield response
+        finally:
+            self._sessions.discard(out)
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+
+    def end_sessions(self) -> None:
+        """At shutdown, once copies are drained: every Session stream stops reading,
+        answers what it holds and ends (left open, the server's stop would cancel
+        it, and grpc logs each cancelled handler as an ERROR)."""
+        self._sessions_ending = True
+        for out in self._sessions:
+            out.put_nowait(_END_SESSION)
+
+    async def _session_request(
+        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionResponse:
+        if type(request) is Unparsed:  # no id to answer under: id 0, which no client uses
+            return pb.SessionResponse(id=0, error=request.envelope(new_request_id(), False))
+        kind = request.WhichOneof("request")
+        try:
+            if kind is None:
+                self._oneof(request, "request")  # raises UnsupportedRequest
+            assert kind is not None
+            remaining = (
+                request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
+            )
+            serve = getattr(type(self), SESSION_RPCS[kind]).serve
+            response = await serve(self, getattr(request, kind), context, remaining, True)
+            return pb.SessionResponse(id=request.id, **{kind: response})
+        except Exception as exc:  # answered, never dropped
+            if not isinstance(exc, KVServiceError):
+                log.error("session request %d failed", request.id, exc_info=exc)
+            envelope = to_remote_error(exc, new_request_id(), NO_TRANSFER)
+            return pb.SessionResponse(id=request.id, error=envelope)
 
     @rpc(pb.GetServerInfoResponse)
     def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:

@@ -146,7 +146,8 @@ class ChunkStore:
         return ChunkBuffer(
             view=self.view[chunk.offset : chunk.offset + chunk.size],
             addr=self.base + chunk.offset,
-            tensor=self.tensor[chunk.offset : chunk.offset + chunk.size],
+            store_tensor=self.tensor,
+            offset=chunk.offset,
             namespace=chunk.key[0],
             key=chunk.key[1],
             expected=chunk.digests,
