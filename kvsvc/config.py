@@ -8,6 +8,7 @@ import argparse
 import errno
 import math
 import os
+import pwd
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -220,6 +221,7 @@ class ServerConfig:
     metrics_port: int = 0
     log_format: str = "text"
     log_level: str = "INFO"
+    shm_uids: str = "self"
 
 
 _HELP = {
@@ -241,6 +243,11 @@ _HELP = {
     "metrics_port": "Prometheus metrics HTTP port (0 = off)",
     "log_format": "'text' or 'json' (one JSON object per line, with request ids)",
     "log_level": "logging level: DEBUG, INFO, WARNING or ERROR",
+    "shm_uids": "whose files under the shm dir the server maps by name, with its own "
+    "rights: comma-separated uids or user names ('self' = the server's uid), or 'off' "
+    "(memfd passing only, where the client hands over an fd it opened itself). Every "
+    "client that can call Map is trusted with every listed uid's regular, single-link, "
+    "owner-writable files there",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {
     "listen": _listen_address,
@@ -254,7 +261,28 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "metrics_port": _port,
     "log_format": _choice("text", "json"),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "shm_uids": lambda text: (shm_owner_uids(text), text.strip())[1],
 }
+
+
+def shm_owner_uids(setting: str) -> frozenset[int] | None:
+    """The uids of --shm-uids (None: 'off', nothing is mapped by name)."""
+    if setting.strip().lower() == "off":
+        return None
+    uids: set[int] = set()
+    for item in (part.strip() for part in setting.split(",")):
+        if item == "self":
+            uids.add(os.geteuid())
+        elif item.isdigit():
+            uids.add(int(item))
+        else:
+            try:
+                uids.add(pwd.getpwnam(item).pw_uid)
+            except KeyError:
+                raise argparse.ArgumentTypeError(
+                    f"--shm-uids: {item!r} is neither a uid, a user name, 'self' nor 'off'"
+                ) from None
+    return frozenset(uids)
 
 
 def env_name(field_name: str) -> str:

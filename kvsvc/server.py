@@ -24,6 +24,7 @@ from kvsvc.config import (
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
     ServerConfig,
+    shm_owner_uids,
 )
 from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
 from kvsvc.errors import (
@@ -158,6 +159,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
         self.fds = self._fd_broker(config)
+        #: whose files Map opens by name (--shm-uids; regions.open_trusted)
+        self.shm_owners = shm_owner_uids(config.shm_uids)
         self.metrics = Metrics(
             store=self.store,
             health=health,
@@ -341,7 +344,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             attempt = time.monotonic()
             try:
                 return await asyncio.to_thread(
-                    open_rank, rank, index, self.config.shm_dir, self.fds
+                    open_rank, rank, index, self.config.shm_dir, self.fds, self.shm_owners
                 )
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc

@@ -127,6 +127,8 @@ export class Miss extends NotFound {}
 export class MappingLost extends NotFound {}
 export class CudaUnavailable extends KVServiceError {}
 export class CapacityExhausted extends KVServiceError {}
+export class PermissionDenied extends KVServiceError {}
+export class Unauthenticated extends KVServiceError {}
 export class Unimplemented extends KVServiceError {}
 export class DeadlineExceeded extends KVServiceError {}
 export class Cancelled extends KVServiceError {}
