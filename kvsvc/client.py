@@ -36,13 +36,14 @@ from kvsvc.calls import (
     Steps,
     Timeout,
 )
-from kvsvc.config import channel_options
+from kvsvc.config import ClientTLS, channel_options
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
 
 __all__ = [
     "DEFAULT",
     "AsyncKVCacheClient",
     "BlockChunkList",
+    "ClientTLS",
     "KVCacheClient",
     "MappingHandle",
     "Timeout",
@@ -87,6 +88,36 @@ def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
         )
         for call in CALLS
     }
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channel(target: str, tls: ClientTLS | None, aio: bool) -> Any:
+    """A plaintext channel, or a TLS one (mTLS with a client certificate)."""
+    options: list[tuple[str, int | str]] = [*channel_options()]
+    if tls is None:
+        return (grpc.aio if aio else grpc).insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca),
+        private_key=_read(tls.key),
+        certificate_chain=_read(tls.cert),
+    )
+    options = [*options, *tls.options()]
+    return (grpc.aio if aio else grpc).secure_channel(target, credentials, options=options)
+
+
+def _call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The bearer token every call carries (None: none). Never logged."""
+    if token is None:
+        return None
+    if not token or any(c in token for c in "\r\n "):
+        raise ValueError("token must be a non-empty string without spaces or newlines")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def _face(method: F, op: Callable[..., Any]) -> F:
@@ -143,12 +174,21 @@ def _async_task(
 
 class KVCacheClient(Core):
     """Blocking client; ``*_async`` methods return ``concurrent.futures.Future``s
-    that always complete (the deadline bounds them)."""
+    that always complete (the deadline bounds them). ``token``: the bearer token of
+    a server with --auth-token-file; ``tls``: TLS (and mTLS) settings."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=False)
         self._rpcs = _rpcs(self._channel)
 
     def close(self) -> None:
@@ -190,7 +230,9 @@ class KVCacheClient(Core):
     def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = self._rpcs[plan.call.method](
+                plan.request, timeout=plan.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except ValueError as exc:  # "Cannot invoke RPC on closed channel!"
@@ -221,7 +263,9 @@ class KVCacheClient(Core):
         plan = step
         self._before(plan)
         try:
-            call = self._rpcs[plan.call.method].future(plan.request, timeout=plan.timeout)
+            call = self._rpcs[plan.call.method].future(
+                plan.request, timeout=plan.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
             self._advance(out, steps, (None, self._transport_error(plan, exc)))
             return
@@ -247,12 +291,21 @@ class KVCacheClient(Core):
 
 
 class AsyncKVCacheClient(Core):
-    """asyncio client with the same methods; create it inside the running loop."""
+    """asyncio client with the same methods; create it inside the running loop.
+    ``token`` and ``tls`` as for :class:`KVCacheClient`."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=True)
         self._rpcs = _rpcs(self._channel)
 
     async def close(self) -> None:
@@ -297,7 +350,9 @@ class AsyncKVCacheClient(Core):
     async def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = await self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = await self._rpcs[plan.call.method](
+                plan.request, timeout=plan.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except grpc.aio.UsageError as exc:  # closed channel

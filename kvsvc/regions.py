@@ -401,6 +401,8 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
+    #: the tenant (kvsvc.auth) that mapped it: no other sees it
+    tenant: str = "default"
 
     @classmethod
     def of(

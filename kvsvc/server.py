@@ -9,6 +9,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ import torch
 from google.protobuf import timestamp_pb2
 
 from kvsvc import __version__, failpoints, fdbroker
+from kvsvc.auth import DEFAULT_TENANT, Tenant, current_tenant
 from kvsvc.config import (
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
@@ -63,14 +65,20 @@ MAP_RETRY_S = 0.02
 class Call:
     """Per-request state the wrapper reads when it builds an error."""
 
-    __slots__ = ("deadline", "request_id", "started", "transfer")
+    __slots__ = ("deadline", "key", "request_id", "started", "tenant", "transfer")
 
-    def __init__(self, request_id: str, deadline: float, transfer: bool) -> None:
+    def __init__(
+        self, request_id: str, deadline: float, transfer: bool, tenant: Tenant = DEFAULT_TENANT
+    ) -> None:
         self.request_id = request_id
         #: monotonic; the client's, or the default for calls without one
         self.deadline = deadline
         self.transfer = transfer
         self.started = False
+        #: who calls (kvsvc.auth): every mapping, namespace and transfer id it names is its own
+        self.tenant = tenant
+        #: the transfer engine's id of this call: tenants never share one
+        self.key = tenant.scoped(request_id)
 
 
 def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
@@ -115,6 +123,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 request_id,
                 started + (self.config.default_deadline if remaining is None else remaining),
                 transfer,
+                current_tenant(),
             )
             outcome = "result"
             token = REQUEST_ID.set(request_id)
@@ -157,7 +166,6 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.loop = asyncio.get_running_loop()
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
-        self._mapping_seq = 0
         self.fds = self._fd_broker(config)
         #: whose files Map opens by name (--shm-uids; regions.open_trusted)
         self.shm_owners = shm_owner_uids(config.shm_uids)
@@ -197,7 +205,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 raise  # the handler's own TimeoutError, not the deadline's
             state = NO_TRANSFER
             if call.transfer:
-                state = self.engine.state_of(call.request_id) if call.started else NOT_STARTED
+                state = self.engine.state_of(call.key) if call.started else NOT_STARTED
             raise DeadlineExceeded(
                 f"{name} did not finish within the server's default deadline of "
                 f"{self.config.default_deadline:g} s (the call carried no deadline)",
@@ -237,9 +245,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.loop.call_soon_threadsafe(self.fatal, exc)
 
     # --- helpers ---
-    def _mapping(self, mapping_id: str) -> Mapping:
+    def _mapping(self, mapping_id: str, call: Call) -> Mapping:
+        """The caller's mapping; another tenant's is as unknown as one never made."""
         mapping = self.mappings.get(mapping_id)
-        if mapping is None:
+        if mapping is None or mapping.tenant != call.tenant.name:
             raise MappingLost(
                 f"mapping {mapping_id!r} is not known to server start {self.start_id}: "
                 "the server restarted or the mapping was unmapped; map again",
@@ -267,7 +276,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     # --- RPCs ---
     @rpc(pb.MapResponse)
     async def Map(self, request: pb.MapRequest, call: Call) -> pb.MapResult:
-        _check_namespace(request.namespace)
+        namespace = _check_namespace(request.namespace, call)
         if not request.ranks:
             raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
         descriptor = _ranks_descriptor(request)
@@ -275,8 +284,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             if existing.closing:
                 continue
             current = await asyncio.to_thread(existing.is_current)
-            # Idempotent re-map: the same ranks over the same memory, same mapping.
-            if current and existing.descriptor == descriptor:
+            # Idempotent re-map: the same ranks over the same memory, same mapping
+            # (and the same tenant: another's Map never learns this mapping's id).
+            mine = existing.tenant == call.tenant.name
+            if current and mine and existing.descriptor == descriptor:
                 return self._map_result(existing)
             # A mapping whose files were deleted or replaced (its client restarted)
             # is stale: release it once no copy uses it.
@@ -307,11 +318,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
-        self._mapping_seq += 1
         try:
-            mapping = Mapping.of(
-                f"{self.start_id[:8]}-{self._mapping_seq}", request.namespace, descriptor, ranks
-            )
+            # 128 random bits: a mapping id cannot be guessed from another.
+            mapping = Mapping.of(secrets.token_hex(16), namespace, descriptor, ranks)
+            mapping.tenant = call.tenant.name
         except BaseException:
             for opened in ranks:
                 opened.close()
@@ -343,8 +353,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         while True:
             attempt = time.monotonic()
             try:
+                owners = call.tenant.shm_uids
                 return await asyncio.to_thread(
-                    open_rank, rank, index, self.config.shm_dir, self.fds, self.shm_owners
+                    open_rank,
+                    rank,
+                    index,
+                    self.config.shm_dir,
+                    self.fds,
+                    self.shm_owners if owners is None else owners,
                 )
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc
@@ -363,7 +379,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.UnmapResponse)
     async def Unmap(self, request: pb.UnmapRequest, call: Call) -> pb.UnmapResult:
-        waited = await self._release(self._mapping(request.mapping_id), call, "unmapped")
+        waited = await self._release(self._mapping(request.mapping_id, call), call, "unmapped")
         return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
 
     async def _release(self, mapping: Mapping, call: Call, why: str) -> int:
@@ -385,29 +401,31 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         log.info("mapping %s %s (%d copies fenced)", mapping.mapping_id, why, waited)
         return waited
 
-    def _sides(self, request: Any, group: str) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
+    def _sides(
+        self, request: Any, group: str, call: Call
+    ) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
         """(namespace, layout, mapping id, [(key, engine side)]) of a Store's source or
         a Retrieve's target: the one place that tells blocks from inline bytes."""
         if self._oneof(request, group) == "blocks":  # the same BlockChunks in both
             blocks = request.blocks
-            mapping = self._mapping(blocks.mapping_id)
+            mapping = self._mapping(blocks.mapping_id, call)
             sides: list[tuple[bytes, Side]] = [
                 (c.key, Blocks(mapping, list(c.block_ids), i)) for i, c in enumerate(blocks.chunks)
             ]
             _check_keys([k for k, _ in sides])
             return mapping.namespace, mapping.fingerprint, mapping.mapping_id, sides
         inline = request.inline
-        _check_namespace(inline.namespace)
+        namespace = _check_namespace(inline.namespace, call)
         if group == "source":
             sides = [(c.key, Inline(c.data)) for c in inline.chunks]
         else:
             sides = [(key, Inline()) for key in inline.keys]
         _check_keys([k for k, _ in sides])
-        return inline.namespace, INLINE_LAYOUT, "", sides
+        return namespace, INLINE_LAYOUT, "", sides
 
     @rpc(pb.StoreResponse, transfer=True)
     async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
-        namespace, layout, mapping_id, sides = self._sides(request, "source")
+        namespace, layout, mapping_id, sides = self._sides(request, "source", call)
         failpoints.hit("store.put")
         present = 0
         wanted: dict[bytes, Side] = {}  # the first of equal keys wins
@@ -470,7 +488,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         t0 = time.perf_counter()
         try:
             result = await self.engine.run(
-                call.request_id,
+                call.key,
                 mapping_id,
                 nbytes,
                 call.deadline,
@@ -486,7 +504,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.RetrieveResponse, transfer=True)
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
-        namespace, layout, mapping_id, sides = self._sides(request, "target")
+        namespace, layout, mapping_id, sides = self._sides(request, "target", call)
         chunks = self.store.acquire_prefix(namespace, [k for k, _ in sides], layout)
         try:
             for ci, chunk in enumerate(chunks):
@@ -529,11 +547,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if not all(0 < len(k) <= MAX_KEY_BYTES for k in keys):
             _check_keys(keys)  # raises for the first bad key
         if scope == "mapping_id":
-            mapping = self._mapping(request.mapping_id)
+            mapping = self._mapping(request.mapping_id, call)
             hits = self.store.lookup(mapping.namespace, keys, mapping.fingerprint)
         else:
-            _check_namespace(request.namespace)
-            hits = self.store.lookup(request.namespace, keys, None)
+            hits = self.store.lookup(_check_namespace(request.namespace, call), keys, None)
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits
@@ -542,12 +559,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.FenceResponse)
     async def Fence(self, request: pb.FenceRequest, call: Call) -> pb.FenceResult:
-        if request.mapping_id and request.mapping_id not in self.mappings:
-            self._mapping(request.mapping_id)  # raises MappingLost
+        owned = self.mappings.get(request.mapping_id)
+        if request.mapping_id and (owned is None or owned.tenant != call.tenant.name):
+            self._mapping(request.mapping_id, call)  # raises MappingLost: not the caller's
         if not request.mapping_id and not request.transfer_ids:
             raise InvalidRequest("fence needs a mapping_id or transfer_ids")
+        # A tenant waits on and bars only its own transfer ids.
         waited, barred, still = await self.engine.fence(
-            request.mapping_id, request.transfer_ids, call.deadline
+            request.mapping_id, [call.tenant.scoped(t) for t in request.transfer_ids], call.deadline
         )
         if still:
             raise DeadlineExceeded(
@@ -600,7 +619,8 @@ def _check_keys(keys: list[bytes]) -> None:
             )
 
 
-def _check_namespace(namespace: str) -> None:
+def _check_namespace(namespace: str, call: Call) -> str:
+    """The store's name for the caller's ``namespace``, if valid and granted to it."""
     if not namespace:
         raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
     size = len(namespace.encode())
@@ -610,6 +630,8 @@ def _check_namespace(namespace: str) -> None:
             reason="NAMESPACE_TOO_LONG",
             metadata={"namespaceBytes": size, "maxNamespaceBytes": MAX_NAMESPACE_BYTES},
         )
+    call.tenant.check_namespace(namespace)
+    return call.tenant.scoped(namespace)
 
 
 def _timestamp(t: float) -> timestamp_pb2.Timestamp:
