@@ -447,6 +447,12 @@ _CATALOGUE: tuple[Reason, ...] = (
         "too many passed fds are waiting for their Map (per process or in all)",
     ),
     _reason(
+        "TENANT_QUOTA_EXCEEDED",
+        CapacityExhausted,
+        "the caller's tenant is at one of its quotas (metadata: quota, used, limit): "
+        "mappings, in-flight transfers or passed fds",
+    ),
+    _reason(
         "FD_SOCKET_BUSY",
         CapacityExhausted,
         "the fd socket serves as many unfinished connections as it takes; retry",

@@ -431,6 +431,11 @@ class Mapping:
         return True
 
     @functools.cached_property
+    def memfds(self) -> int:
+        """Passed memfds this mapping holds (a tenant's fd quota counts them)."""
+        return sum(isinstance(r, MemfdRegion) for rm in self.ranks for r in rm.regions.values())
+
+    @functools.cached_property
     def is_cuda(self) -> bool:
         return any(isinstance(r, CudaRegion) for rm in self.ranks for r in rm.regions.values())
 

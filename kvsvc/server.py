@@ -35,6 +35,7 @@ from kvsvc.errors import (
     NO_TRANSFER,
     NOT_STARTED,
     UNKNOWN,
+    CapacityExhausted,
     DeadlineExceeded,
     FatalServerError,
     InvalidRequest,
@@ -108,6 +109,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 )
             if transfer:
                 self.health.check_serving()
+                self._admit(call)
             result = (await fn(self, request, call)) if is_async else fn(self, request, call)
             # A handler may build its whole response (cheaper than copying a result in).
             return result if type(result) is response_cls else response_cls(result=result)
@@ -262,6 +264,43 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             )
         return mapping
 
+    def _admit(self, call: Call) -> None:
+        """A transfer within its tenant's quota (kvsvc.auth.Quota), else
+        RESOURCE_EXHAUSTED before anything is reserved; keeps the store's view of
+        the tenant's share current (a reloaded tenant file takes effect here)."""
+        tenant = call.tenant
+        quota = tenant.quota
+        if quota.store_share < 1:
+            self.store.shares[tenant.name] = int(self.store.capacity * quota.store_share)
+        else:
+            self.store.shares.pop(tenant.name, None)
+        if quota.max_inflight:
+            prefix = tenant.scoped("")
+            running = sum(1 for tid in self.engine.inflight if tid.startswith(prefix))
+            if running >= quota.max_inflight:
+                raise _quota_exceeded(tenant, "max_inflight", running, quota.max_inflight)
+
+    def _admit_map(self, call: Call, request: pb.MapRequest) -> None:
+        """A Map within its tenant's mapping and fd quotas, before anything is opened."""
+        tenant, quota = call.tenant, call.tenant.quota
+        if not (quota.max_mappings or quota.max_fds):
+            return
+        mine = [m for m in self.mappings.values() if m.tenant == tenant.name]
+        if quota.max_mappings and len(mine) >= quota.max_mappings:
+            raise _quota_exceeded(tenant, "max_mappings", len(mine), quota.max_mappings)
+        if quota.max_fds:
+            held = sum(m.memfds for m in mine)
+            asked = len(
+                {
+                    t.handle.sealed_memfd.token
+                    for r in request.ranks
+                    for t in r.tensors
+                    if t.handle.WhichOneof("kind") == "sealed_memfd"
+                }
+            )
+            if held + asked > quota.max_fds:
+                raise _quota_exceeded(tenant, "max_fds", held, quota.max_fds)
+
     @staticmethod
     def _oneof(request: Any, group: str) -> str:
         which = request.WhichOneof(group)
@@ -279,6 +318,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         namespace = _check_namespace(request.namespace, call)
         if not request.ranks:
             raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
+        self._admit_map(call, request)
         descriptor = _ranks_descriptor(request)
         for existing in list(self.mappings.values()):
             if existing.closing:
@@ -436,7 +476,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 wanted[key] = side
         # All or none: a request that cannot be placed evicts nothing.
         reserved, evicted = (
-            self.store.reserve(namespace, [(k, s.nbytes) for k, s in wanted.items()], layout)
+            self.store.reserve(
+                namespace, [(k, s.nbytes) for k, s in wanted.items()], layout, call.tenant.name
+            )
             if wanted
             else ([], 0)
         )
@@ -605,6 +647,15 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 def _ranks_descriptor(request: pb.MapRequest) -> bytes:
     key = pb.MapRequest(namespace=request.namespace, ranks=request.ranks)
     return key.SerializeToString(deterministic=True)
+
+
+def _quota_exceeded(tenant: Tenant, quota: str, used: int, limit: int) -> CapacityExhausted:
+    return CapacityExhausted(
+        f"tenant {tenant.name} is at its {quota} quota ({used} of {limit})",
+        reason="TENANT_QUOTA_EXCEEDED",
+        metadata={"quota": quota, "used": used, "limit": limit},
+        retryable=quota == "max_inflight",
+    )
 
 
 def _check_keys(keys: list[bytes]) -> None:
