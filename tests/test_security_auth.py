@@ -4,6 +4,7 @@ health-only plaintext listener, SIGHUP reloads, secure-by-default refusals."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -19,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.auth import Authenticator, TenantFileError, parse_tables
-from kvsvc.client import ClientTLS, KVCacheClient
+from kvsvc.client import AsyncKVCacheClient, ClientTLS, KVCacheClient
 from kvsvc.config import MiB, ServerConfig
 from kvsvc.errors import MappingLost, PermissionDenied, Unauthenticated
 from kvsvc.ids import new_request_id
@@ -412,3 +413,20 @@ def test_server_config_knows_when_calls_need_credentials():
     assert not ServerConfig().authenticated
     assert ServerConfig(auth_token_file="t").authenticated
     assert ServerConfig(tls_client_ca="ca").authenticated
+
+
+def test_the_async_client_takes_a_token_and_tls(mtls_server, pki):
+    addr = mtls_server.address
+
+    async def go() -> None:
+        async with AsyncKVCacheClient(addr, tls=tls_for(pki, "engine-a")) as a:
+            await a.put("a/async", [(b"k", b"v")], timeout=10)
+            with pytest.raises(PermissionDenied):
+                await a.lookup([b"k"], namespace="b/x", timeout=10)
+        async with AsyncKVCacheClient(addr, tls=tls_for(pki, "stranger"), token=TOKEN_A) as t:
+            assert await t.get("a/async", b"k", timeout=10) == b"v"
+        async with AsyncKVCacheClient(addr, tls=tls_for(pki, "stranger")) as s:
+            with pytest.raises(Unauthenticated):
+                await s.lookup([b"k"], namespace="a/async", timeout=10)
+
+    asyncio.run(go())
