@@ -4,7 +4,8 @@ typed result or error, the server must stay SERVING and keep serving a healthy
 client in parallel, and its log must stay bounded (no tracebacks, no ERROR, few
 WARNINGs).
 
-CI runs KVSVC_FUZZ_EXAMPLES (default 1000; Map a tenth: each may wait its short deadline) examples per RPC; the long run is
+CI runs KVSVC_FUZZ_EXAMPLES (default 1000; Map a tenth, as each may wait out its short
+deadline) examples per RPC; the long run is
 ``KVSVC_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/test_security_fuzz.py``.
 """
 
