@@ -116,7 +116,7 @@ func TestEveryClassByReasonWithItsAncestors(t *testing.T) {
 		"DataLoss":           {"RemoteHandlerError"},
 		"FatalServerError":   {"RemoteHandlerError"},
 	}
-	if len(Classes()) != 19 {
+	if len(Classes()) != 21 {
 		t.Fatalf("%d classes", len(Classes()))
 	}
 	for _, name := range Classes() {
