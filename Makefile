@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test install proto check-proto lint typecheck buf pytest clients cpp languages deploy clean
+.PHONY: serve test install proto check-proto lint typecheck buf pytest clients cpp languages deploy packages test-container clean
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
@@ -30,7 +30,7 @@ serve: install
 	  "$(VENV)/bin/kvsvc demo --target 127.0.0.1:50051"
 	$(VENV)/bin/kvsvc serve
 
-test: install lint typecheck check-proto buf pytest clients cpp languages deploy
+test: install lint typecheck check-proto buf pytest clients cpp languages deploy packages test-container
 	@echo "make test: all checks passed"
 
 proto: install
@@ -73,6 +73,17 @@ languages:
 
 deploy: install
 	@if [ -x scripts/check_deploy.sh ]; then ./scripts/check_deploy.sh; else echo "deploy: none yet"; fi
+
+# The clients as their ecosystems install them, outside the repository, against a
+# live server: Python wheel + sdist into an empty venv, npm pack + install, Go
+# module path (about 6 minutes, mostly torch into the fresh venv).
+packages: install
+	TORCH_SPEC="$(TORCH_SPEC)" ./scripts/check_packages.sh
+
+# Builds docker/Dockerfile and runs docker/compose.yaml with podman (installed if
+# missing, as root), asserting the stack's behaviour; see docker/README.md.
+test-container: install
+	./scripts/test_container.sh
 
 clean:
 	rm -rf $(VENV) tools/node_modules

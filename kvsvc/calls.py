@@ -220,11 +220,32 @@ class Core:
         transfer_timeout: float = DEFAULT_TRANSFER_DEADLINE_S,
         control_timeout: float = DEFAULT_CONTROL_DEADLINE_S,
         remap_on_restart: bool = False,
+        fd_socket: str | None = None,
     ) -> None:
         self.transfer_timeout = validate_deadline(transfer_timeout, "transfer_timeout")
         self.control_timeout = validate_deadline(control_timeout, "control_timeout")
         self.remap_on_restart = remap_on_restart
+        # Where this process reaches the server's fd socket, when not where the
+        # server says (another container mounts the socket directory elsewhere).
+        self.fd_socket = fd_socket
         self.leases = Leases()
+        self._fd_leases: dict[str, fdpass.FdLease] = {}
+        self._fd_leases_lock = threading.Lock()
+
+    def _fd_lease(self, path: str) -> fdpass.FdLease:
+        """This client's lease connection to the fd socket at ``path``."""
+        with self._fd_leases_lock:
+            lease = self._fd_leases.get(path)
+            if lease is None:
+                lease = self._fd_leases[path] = fdpass.FdLease(path)
+            return lease
+
+    def _close_fd_leases(self) -> None:
+        """Ends the leases: the server releases the mappings of memfds passed here."""
+        with self._fd_leases_lock:
+            leases, self._fd_leases = list(self._fd_leases.values()), {}
+        for lease in leases:
+            lease.close()
 
     def leased_blocks(self, mapping: MappingHandle) -> set[int]:
         """Blocks the engine's allocator must not reuse yet."""
@@ -433,10 +454,16 @@ def server_info(c: Core, *, timeout: Timeout = DEFAULT) -> Steps[pb.GetServerInf
 
 def register_memfd(c: Core, fd: int, *, timeout: Timeout = DEFAULT) -> Steps[str]:
     """Pass a sealed memfd (``kvsvc.fdpass.make_sealed_memfd``) to the server, for
-    the fast CPU region kind; returns the token a ``SealedMemfdHandle`` names."""
+    the fast CPU region kind; returns the token a ``SealedMemfdHandle`` names.
+
+    The fd goes over this client's lease connection: the server keeps mappings of
+    it while this client is open, and releases them when it closes or this
+    process dies (in any container). The socket is the client's ``fd_socket``,
+    else the one the server reports."""
     budget = c._timeout(timeout, CONTROL)
-    path = _fd_socket((yield from server_info(c, timeout=budget)))
-    return (yield from _blocking(functools.partial(fdpass.send_fd, path, fd, budget)))
+    path = c.fd_socket or _fd_socket((yield from server_info(c, timeout=budget)))
+    lease = c._fd_lease(path)
+    return (yield from _blocking(functools.partial(lease.send, fd, budget)))
 
 
 def put(

@@ -50,6 +50,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get("KVSVC_SHM_DIR", "/dev/shm"),
         help="shared-memory directory the server maps from (env KVSVC_SHM_DIR)",
     )
+    demo.add_argument(
+        "--memfd",
+        action="store_true",
+        help="pass sealed memfds over the server's fd socket instead of files in the shm "
+        "dir: what an engine in another container does",
+    )
+    demo.add_argument(
+        "--fd-socket",
+        default=None,
+        help="the server's fd socket as this process sees it (default: where the server "
+        "says it is)",
+    )
 
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
@@ -63,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvsvc.demo import run_demo
 
         setup_logging("WARNING", "text")
-        return run_demo(args.target, args.shm_dir)
+        return run_demo(args.target, args.shm_dir, memfd=args.memfd, fd_socket=args.fd_socket)
     if args.command == "failpoints":
         try:
             failpoints.parse(os.environ.get(failpoints.ENV, ""))

@@ -192,6 +192,7 @@ class KVCacheClient(Core):
         self._rpcs = _rpcs(self._channel)
 
     def close(self) -> None:
+        self._close_fd_leases()
         self._channel.close()
 
     def __enter__(self) -> KVCacheClient:
@@ -309,6 +310,7 @@ class AsyncKVCacheClient(Core):
         self._rpcs = _rpcs(self._channel)
 
     async def close(self) -> None:
+        self._close_fd_leases()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVCacheClient:

@@ -101,6 +101,15 @@ FD_TOKENS_PER_PEER_MAX = 256
 # the others.
 FD_PEERS_MAX = 64
 FD_PEER_TIMEOUT_S = 2.0
+# Lease connections (kvsvc.fdpass.FdLease) stay open while their engine lives: at
+# most this many at once (one fd each; an engine process needs one).
+FD_LEASES_MAX = 1024
+# How often the server looks for mappings whose memfd owner is gone without
+# being told (a one-shot pass's pid exited); a lease that ends wakes it at once.
+MAPPING_REAP_INTERVAL_S = 1.0
+# The sockets' names in --socket-dir.
+FD_SOCKET_NAME = "fd.sock"
+GRPC_SOCKET_NAME = "grpc.sock"
 # How long the client waits for the fd socket's answer.
 FD_EXCHANGE_TIMEOUT_S = 5.0
 
@@ -242,6 +251,8 @@ class ServerConfig:
     store_bytes: int = GiB
     shm_dir: str = "/dev/shm"
     fd_socket: str = "auto"
+    socket_dir: str = ""
+    socket_group: str = ""
     device: str = "auto"
     transfer_threads: int = 2
     shutdown_grace: float = 10.0
@@ -272,7 +283,12 @@ _HELP = {
     "shm_dir": "existing, writable directory holding clients' shared-memory regions; "
     "names cannot escape it",
     "fd_socket": "unix socket that takes clients' sealed memfds (the fast CPU region kind): "
-    "a path, 'auto' (a per-server name in the shm dir) or 'off'",
+    "a path, 'auto' (fd.sock in --socket-dir, else a per-server name in the shm dir) or 'off'",
+    "socket_dir": "directory shared with engines in other containers or pods (a volume or "
+    "hostPath, e.g. /run/kvsvc): the fd socket (fd.sock) and a gRPC unix socket (grpc.sock) "
+    "live there, mode 0660; made 0750 if missing; '' = none",
+    "socket_group": "group (name or gid) given the sockets in --socket-dir and, when the "
+    "server owns it, the directory: engines in that group may connect; '' = the server's",
     "device": "where mapped regions live: 'cpu', 'cuda' (fails at start-up without CUDA), "
     "or 'auto' (cuda when available)",
     "transfer_threads": "worker threads that run copies off the event loop",
@@ -420,10 +436,40 @@ def parse_server_config(argv: Sequence[str] | None = None) -> ServerConfig:
 
 
 # --- checks against this host, before serving ---
+def grpc_socket(config: ServerConfig) -> str | None:
+    """The gRPC unix socket the server also listens on (``unix:PATH``), if any."""
+    if not config.socket_dir:
+        return None
+    return "unix:" + os.path.join(config.socket_dir, GRPC_SOCKET_NAME)
+
+
+def socket_gid(config: ServerConfig) -> int:
+    """The gid of --socket-group (-1: keep the server's)."""
+    group = config.socket_group.strip()
+    if not group:
+        return -1
+    if group.isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group {group}: no such group") from None
+
+
 def check_host(config: ServerConfig) -> None:
     """What the flags name must exist here: a ConfigError naming the flag if not.
     Without these a server reports SERVING and then times out every Map."""
     check_shm_dir(config.shm_dir, "--shm-dir")
+    socket_gid(config)
+    if config.socket_dir:
+        d = config.socket_dir
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ConfigError(f"--socket-dir {d}: not a directory")
+        parent = d if os.path.isdir(d) else os.path.dirname(os.path.abspath(d))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--socket-dir {d}: {parent} is not a writable directory")
     if config.fd_socket not in ("auto", "off"):
         parent = os.path.dirname(os.path.abspath(config.fd_socket))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):

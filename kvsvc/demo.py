@@ -2,7 +2,11 @@
 
 Maps a synthetic KV cache (vLLM layout, shared memory), stores chunks, looks
 them up, retrieves them into fresh blocks, checks them bit-exact, then shows
-one of each error a user catches. Exits non-zero if anything is off."""
+one of each error a user catches. Exits non-zero if anything is off.
+
+With ``--memfd`` the caches are sealed memfds passed over the server's fd
+socket: what an engine in another container does, sharing only the socket
+directory with the server (no /dev/shm, no IPC namespace)."""
 
 from __future__ import annotations
 
@@ -53,16 +57,19 @@ def embedded_server(shm_dir: str) -> Iterator[str]:
         thread.join(10)
 
 
-def run_demo(target: str | None, shm_dir: str) -> int:
+def run_demo(
+    target: str | None, shm_dir: str, *, memfd: bool = False, fd_socket: str | None = None
+) -> int:
     """The demo's exit status. What keeps it from running (no server at --target,
     one that stopped serving, an unusable shm dir) is one line that says what to do,
     never a traceback."""
     try:
-        check_shm_dir(shm_dir, "--shm-dir")
+        if not memfd or target is None:
+            check_shm_dir(shm_dir, "--shm-dir")
         if target is None:
             with embedded_server(shm_dir) as address:
-                return _demo(address, shm_dir)
-        return _demo(target, shm_dir)
+                return _demo(address, shm_dir, memfd, fd_socket)
+        return _demo(target, shm_dir, memfd, fd_socket)
     except (ConfigError, _Stop) as exc:
         print(f"kvsvc demo: {exc}", file=sys.stderr)
         return 1
@@ -72,8 +79,8 @@ class _Stop(Exception):
     """Ends the demo with one line on stderr."""
 
 
-def _demo(target: str, shm_dir: str) -> int:
-    with KVCacheClient(target) as client:
+def _demo(target: str, shm_dir: str, memfd: bool, fd_socket: str | None) -> int:
+    with KVCacheClient(target, fd_socket=fd_socket) as client:
         try:
             info = client.server_info()
         except (ServiceUnavailable, DeadlineExceeded) as exc:
@@ -93,7 +100,7 @@ def _demo(target: str, shm_dir: str) -> int:
             f"serving={info.serving}"
         )
         try:
-            return _steps(client, shm_dir)
+            return _steps(client, shm_dir, memfd)
         except KVServiceError as exc:
             raise _Stop(
                 f"{type(exc).__name__} from the server at {target}: {exc}. "
@@ -101,7 +108,7 @@ def _demo(target: str, shm_dir: str) -> int:
             ) from None
 
 
-def _steps(client: KVCacheClient, shm_dir: str) -> int:
+def _steps(client: KVCacheClient, shm_dir: str, memfd: bool) -> int:
     rows: list[tuple[str, str, float]] = []
     ok = True
 
@@ -124,20 +131,27 @@ def _steps(client: KVCacheClient, shm_dir: str) -> int:
 
     tag = f"kvsvc-demo-{os.getpid()}"
     dims = dict(num_layers=4, num_blocks=32, block_size=16, kv_heads=8, head_dim=128)
+    where = "a sealed memfd" if memfd else shm_dir
     try:
-        src = SharedKVCache(f"{tag}-src", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
+        src = SharedKVCache(f"{tag}-src", shm_dir=shm_dir, memfd=memfd, **dims)  # type: ignore[arg-type]
     except OSError as exc:
-        raise _Stop(f"cannot create the demo's KV cache in {shm_dir}: {exc}") from None
+        raise _Stop(f"cannot create the demo's KV cache in {where}: {exc}") from None
     try:
-        dst = SharedKVCache(f"{tag}-dst", shm_dir=shm_dir, **dims)  # type: ignore[arg-type]
+        dst = SharedKVCache(f"{tag}-dst", shm_dir=shm_dir, memfd=memfd, **dims)  # type: ignore[arg-type]
     except OSError as exc:
         src.close()
-        raise _Stop(f"cannot create the demo's KV cache in {shm_dir}: {exc}") from None
+        raise _Stop(f"cannot create the demo's KV cache in {where}: {exc}") from None
+
+    def region(cache: SharedKVCache) -> Any:
+        token = client.register_memfd(cache.fd) if memfd else ""
+        return cache.rank_region(token=token)
+
     try:
         for layer in src.layers:
             layer.copy_(torch.randn(layer.shape).to(layer.dtype))
-        m_src = step("map source cache", lambda: client.map("demo", [src.rank_region()]))
-        m_dst = step("map target cache", lambda: client.map("demo", [dst.rank_region()]))
+        kind = "memfd" if memfd else "shm file"
+        m_src = step(f"map source cache ({kind})", lambda: client.map("demo", [region(src)]))
+        m_dst = step(f"map target cache ({kind})", lambda: client.map("demo", [region(dst)]))
         chunks = [(f"{tag}-chunk{i}".encode(), list(range(4 * i, 4 * i + 4))) for i in range(4)]
         r = step("store 4 chunks x 4 blocks", lambda: client.store(m_src, chunks))
         rows[-1] = (
@@ -167,8 +181,10 @@ def _steps(client: KVCacheClient, shm_dir: str) -> int:
             lambda: client.store(m_src, [(b"bad", [99])]),
         )
         expect("miss", Miss, lambda: client.get("demo", b"never-stored"))
-        ghost = src.rank_region()
-        ghost.tensors[0].handle.shared_memory.name = f"{tag}-never-created"
+        ghost = src.rank_region(token="unused")  # a file that never appears in its shm dir
+        for t in ghost.tensors:
+            t.handle.shared_memory.name = f"{tag}-never-created"
+            t.handle.shared_memory.size_bytes = src.size
         expect(
             "deadline (region never appears)",
             DeadlineExceeded,

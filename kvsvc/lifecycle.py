@@ -5,6 +5,7 @@ fatal failure with --exit-on-fatal), drain and stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -15,9 +16,9 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from kvsvc import __version__
+from kvsvc import __version__, fdbroker
 from kvsvc.auth import Authenticator, AuthInterceptor, TenantFileError
-from kvsvc.config import ConfigError, ServerConfig, server_options
+from kvsvc.config import ConfigError, ServerConfig, grpc_socket, server_options, socket_gid
 from kvsvc.errors import request_parser
 from kvsvc.health import Health, Watchdog
 from kvsvc.server import KVCacheServicer
@@ -42,6 +43,11 @@ class Server:
                 raise ConfigError(f"--auth-token-file: {exc}") from None
         credentials = _server_credentials(config)
         self.health = Health()
+        if config.socket_dir:
+            try:
+                fdbroker.prepare_socket_dir(config.socket_dir, socket_gid(config))
+            except OSError as exc:
+                raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from None
         self.servicer = KVCacheServicer(config, self.health)
         if self.auth is not None:
             self.auth.on_failure = self.servicer.metrics.observe_auth_failure
@@ -68,6 +74,7 @@ class Server:
             ),
             self.grpc,
         )
+        self.unix = grpc_socket(config)  # engines in other containers reach us here
         try:
             if credentials is None:
                 self.port = self.grpc.add_insecure_port(config.listen)
@@ -80,13 +87,18 @@ class Server:
                 if health_port == 0 and not config.health_listen.startswith("unix:"):
                     raise RuntimeError("no health address bound")
                 self.health_address = _bound(config.health_listen, health_port)
-        except RuntimeError:  # grpc's bare 'Failed to bind' (its C core logs why)
+            if self.unix is not None:
+                self.grpc.add_insecure_port(self.unix)
+                fdbroker.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
+        except (RuntimeError, OSError):  # grpc's bare 'Failed to bind' (its C core logs why)
             # The servicer made the fd socket and worker threads: leave nothing behind.
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
             raise ConfigError(
-                f"cannot listen on {config.listen} (or --health-listen): grpc could not bind it "
+                f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}"
+                f"{' and ' + config.health_listen if config.health_listen else ''}: "
+                "grpc could not bind it "
                 "(a port in use, a host that does not resolve, a missing directory?)"
             ) from None
         self.address = _bound(config.listen, self.port)
@@ -132,6 +144,7 @@ class Server:
         if self.servicer.fds is not None:
             self.servicer.fds.start()
         await self.health.start()
+        self._reaper = asyncio.ensure_future(self.servicer.reap())
         await self.grpc.start()
         if self.health_grpc is not None:
             await self.health_grpc.start()
@@ -149,7 +162,7 @@ class Server:
         log.info(
             "kvsvc %s serving on %s (store %d bytes, device %s, start id %s; %s)",
             __version__,
-            self.address,
+            self.address + (f" and {self.unix}" if self.unix else ""),
             self.servicer.store.capacity,
             self.servicer.device,
             self.servicer.start_id,
@@ -178,6 +191,9 @@ class Server:
                 grace,
                 sorted(engine.inflight),
             )
+        self._reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reaper
         # The watchdog goes first: workers that end on purpose are not a death.
         self.watchdog.stop()
         engine.shutdown()

@@ -77,6 +77,8 @@ class FdStats(Protocol):
 
     @property
     def peers(self) -> int: ...
+    @property
+    def leases(self) -> int: ...
     def open_fds(self) -> int: ...
     def __len__(self) -> int: ...
 
@@ -166,6 +168,11 @@ class Metrics:
             "kvsvc_fd_socket_peers",
             "connections on the fd socket that have not sent their fd yet",
             lambda: fds.peers if fds is not None else 0,
+        )
+        gauge(
+            "kvsvc_fd_leases",
+            "engines' lease connections on the fd socket (their memfds live while open)",
+            lambda: fds.leases if fds is not None else 0,
         )
         gauge(
             "kvsvc_fd_socket_open_fds",

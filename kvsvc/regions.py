@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsvc.errors import InvalidRequest, PermissionDenied, RegionUnavailable
-from kvsvc.fdbroker import FdBroker, exited
+from kvsvc.fdbroker import FdBroker, Owner
 from kvsvc.layout import (
     HandleKey,
     HandleKind,
@@ -210,7 +210,8 @@ class MemfdRegion:
                 "this server runs with --fd-socket off: sealed memfd handles are refused",
                 reason="FD_PASSING_DISABLED",
             )
-        fd, size, self.owner = fds.open(token)
+        self.owner: Owner | None
+        fd, size, self.owner = fds.open(token)  # owner: its lease, or a pidfd of it
         try:
             if size < need_bytes:
                 raise InvalidRequest(
@@ -220,8 +221,8 @@ class MemfdRegion:
                 )
             self.mm = mmap.mmap(fd, need_bytes)
         except BaseException:
-            if self.owner >= 0:
-                os.close(self.owner)
+            if self.owner is not None:
+                self.owner.close()
             raise
         finally:
             os.close(fd)  # the mapping keeps the memfd alive
@@ -238,8 +239,9 @@ class MemfdRegion:
         ctypes.memmove(self.base + offset, addr + a, b - a)
 
     def is_current(self) -> bool:
-        """False once the process that passed the memfd has exited."""
-        return not exited(self.owner)
+        """False once the engine that passed the memfd is gone: its lease connection
+        closed, or (one-shot passes) its process exited."""
+        return self.owner is None or not self.owner.gone()
 
     def synchronize(self) -> None:
         """memcpy is synchronous; nothing is left in flight."""
@@ -247,9 +249,9 @@ class MemfdRegion:
     def close(self) -> None:
         self._anchor = None
         self.mm.close()
-        if self.owner >= 0:
-            os.close(self.owner)
-            self.owner = -1
+        if self.owner is not None:
+            self.owner.close()
+            self.owner = None
 
 
 def cuda_device_for_uuid(uuid: str) -> int:
@@ -429,6 +431,15 @@ class Mapping:
                 if isinstance(region, (ShmRegion, MemfdRegion)) and not region.is_current():
                     return False
         return True
+
+    def owner_gone(self) -> bool:
+        """Whether an engine that passed one of its memfds is gone: then nobody can
+        use this mapping again, and holding it keeps dead KV memory alive."""
+        return any(
+            isinstance(region, MemfdRegion) and not region.is_current()
+            for rank in self.ranks
+            for region in rank.regions.values()
+        )
 
     @functools.cached_property
     def memfds(self) -> int:

@@ -6,6 +6,7 @@ hand the copy to the transfer engine. Start, signals and stop: kvsvc.lifecycle."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -23,10 +24,13 @@ from google.protobuf import timestamp_pb2
 from kvsvc import __version__, failpoints, fdbroker
 from kvsvc.auth import DEFAULT_TENANT, Tenant, current_tenant
 from kvsvc.config import (
+    MAPPING_REAP_INTERVAL_S,
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
+    ConfigError,
     ServerConfig,
     shm_owner_uids,
+    socket_gid,
 )
 from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
 from kvsvc.errors import (
@@ -171,6 +175,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.fds = self._fd_broker(config)
         #: whose files Map opens by name (--shm-uids; regions.open_trusted)
         self.shm_owners = shm_owner_uids(config.shm_uids)
+        self._reap_wake = asyncio.Event()
+        if self.fds is not None:
+            self.fds.on_lease_end = self._lease_ended
         self.metrics = Metrics(
             store=self.store,
             health=health,
@@ -180,14 +187,19 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
-        """The fd socket; with 'auto', a place where none can be made (read-only
-        shm dir) only turns memfd regions off, loudly; a path given must work."""
-        path = fdbroker.socket_path(config.fd_socket, config.shm_dir, self.start_id)
+        """The fd socket; with 'auto' and no socket dir, a place where none can be
+        made (read-only shm dir) only turns memfd regions off, loudly; a path or a
+        socket dir the operator chose must work."""
+        path = fdbroker.socket_path(
+            config.fd_socket, config.shm_dir, self.start_id, config.socket_dir
+        )
         if path is None:
             return None
         try:
-            return fdbroker.FdBroker(path)
+            return fdbroker.FdBroker(path, gid=socket_gid(config))
         except OSError as exc:
+            if config.socket_dir and config.fd_socket == "auto":
+                raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from exc
             if config.fd_socket != "auto":
                 raise
             log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
@@ -334,7 +346,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             if not current and not any(
                 t.mapping_id == existing.mapping_id for t in self.engine.inflight.values()
             ):
-                await self._release(existing, call, "released: its memory files are gone")
+                await self._release(existing, call.deadline, "released: its memory is gone")
         ranks: list[RankMapping] = []
         try:
             for index, rank in enumerate(request.ranks):
@@ -419,14 +431,40 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.UnmapResponse)
     async def Unmap(self, request: pb.UnmapRequest, call: Call) -> pb.UnmapResult:
-        waited = await self._release(self._mapping(request.mapping_id, call), call, "unmapped")
+        waited = await self._release(
+            self._mapping(request.mapping_id, call), call.deadline, "unmapped"
+        )
         return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
 
-    async def _release(self, mapping: Mapping, call: Call, why: str) -> int:
+    def _lease_ended(self, lease: fdbroker.Lease) -> None:
+        """From the fd socket's thread: wake the reaper (unless the server is gone)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._reap_wake.set)
+
+    async def reap(self) -> None:
+        """Release, without waiting for a Map, every mapping whose engine is gone: at
+        once when its lease connection ends, else within MAPPING_REAP_INTERVAL_S
+        (a one-shot pass's pid exited). Runs until cancelled."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._reap_wake.wait(), MAPPING_REAP_INTERVAL_S)
+            self._reap_wake.clear()
+            for mapping in list(self.mappings.values()):
+                if mapping.closing or not mapping.owner_gone():
+                    continue
+                deadline = monotonic() + self.config.stall_timeout
+                try:
+                    await self._release(mapping, deadline, "released: its engine is gone")
+                except KVServiceError as exc:  # copies still run: the next round retries
+                    log.warning("mapping %s not released yet: %s", mapping.mapping_id, exc)
+                except Exception:
+                    log.exception("releasing mapping %s failed", mapping.mapping_id)
+
+    async def _release(self, mapping: Mapping, deadline: float, why: str) -> int:
         """Refuse new copies, fence running ones, synchronize, release. If copies are
         still running at the deadline the mapping stays: no copy loses its memory."""
         mapping.closing = True
-        waited, _, still = await self.engine.fence(mapping.mapping_id, (), call.deadline)
+        waited, _, still = await self.engine.fence(mapping.mapping_id, (), deadline)
         if still:
             mapping.closing = False
             raise DeadlineExceeded(

@@ -2,8 +2,9 @@
 # Static checks of the deployment files, offline except for PyPI:
 #   - docker/compose.yaml validates (docker compose config -q)
 #   - docker/Dockerfile passes hadolint
-#   - docker/kubernetes/*.yaml pass kubernetes-validate --strict (schemas ship
-#     inside the package), and kustomization.yaml lists exactly those files.
+#   - deploy/kubernetes/*/*.yaml (every topology: node, sidecar, gpu, examples)
+#     pass kubernetes-validate --strict (schemas ship inside the package), and
+#     each directory's kustomization.yaml lists exactly its other files.
 # Each validator is first shown a known-bad input and must reject it, so a tool
 # that exits 0 whatever happens cannot make this script pass.
 #
@@ -57,10 +58,16 @@ echo "kubernetes-validate: $("$KVALIDATE" --version)"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
+K8S_DIRS=(deploy/kubernetes/*/)
 MANIFESTS=()
-for f in docker/kubernetes/*.yaml; do
-  [[ "$(basename "$f")" == kustomization.yaml ]] || MANIFESTS+=("$f")
+for d in "${K8S_DIRS[@]}"; do
+  for f in "$d"*.yaml; do
+    [[ "$(basename "$f")" == kustomization.yaml ]] || MANIFESTS+=("$f")
+  done
 done
+if ((${#MANIFESTS[@]} < 6)); then
+  fail "expected the node, sidecar, gpu and example manifests under deploy/kubernetes, found ${MANIFESTS[*]}"
+fi
 
 echo "== negative controls: each validator must reject a broken input"
 printf 'FROM python:3.11-slim\nRUN apt-get update && apt-get install curl\n' >"$tmp/Dockerfile"
@@ -75,7 +82,7 @@ if timeout 30 "${COMPOSE[@]}" -f "$tmp/compose.yaml" config -q >/dev/null 2>&1; 
 else
   ok "compose rejects a bad compose file"
 fi
-sed 's/readOnlyRootFilesystem:/readOnlyRootFileSystem:/' docker/kubernetes/daemonset.yaml \
+sed 's/readOnlyRootFilesystem:/readOnlyRootFileSystem:/' deploy/kubernetes/node/daemonset.yaml \
   >"$tmp/daemonset.yaml"
 if timeout 60 "$KVALIDATE" --strict --quiet "$tmp/daemonset.yaml" >/dev/null 2>&1; then
   fail "kubernetes-validate --strict accepted a misspelt field"
@@ -97,27 +104,30 @@ else
   fail "hadolint docker/Dockerfile"
 fi
 
-echo "== docker/kubernetes"
-if timeout 60 "$KVALIDATE" --strict "${MANIFESTS[@]}"; then
+echo "== deploy/kubernetes"
+if timeout 120 "$KVALIDATE" --strict "${MANIFESTS[@]}"; then
   ok "kubernetes-validate --strict ${MANIFESTS[*]}"
 else
   fail "kubernetes manifests do not validate"
 fi
-# kustomization.yaml has no schema in kubernetes-validate: check that its
-# resources are exactly the manifests above.
-if "$VENV/bin/python" - "${MANIFESTS[@]}" <<'EOF'; then
+# kustomization.yaml has no schema in kubernetes-validate: check that each one's
+# resources are exactly the manifests beside it.
+for d in "${K8S_DIRS[@]}"; do
+  if "$VENV/bin/python" - "$d" <<'EOF'; then
 import os, sys, yaml
-with open("docker/kubernetes/kustomization.yaml") as f:
+d = sys.argv[1]
+with open(os.path.join(d, "kustomization.yaml")) as f:
     k = yaml.safe_load(f)
 listed = sorted(k.get("resources", []))
-present = sorted(os.path.basename(p) for p in sys.argv[1:])
+present = sorted(n for n in os.listdir(d) if n.endswith(".yaml") and n != "kustomization.yaml")
 if k.get("kind") != "Kustomization" or listed != present:
-    sys.exit(f"kustomization.yaml lists {listed}, directory has {present}")
+    sys.exit(f"{d}kustomization.yaml lists {listed}, directory has {present}")
 EOF
-  ok "kustomization.yaml lists every manifest"
-else
-  fail "kustomization.yaml resources"
-fi
+    ok "${d}kustomization.yaml lists every manifest"
+  else
+    fail "${d}kustomization.yaml resources"
+  fi
+done
 
 if ((failures)); then
   echo "check_deploy: $failures check(s) failed" >&2

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsvc.config import ServerConfig, _parse_size, env_name, parse_server_config
+from kvsvc.config import ServerConfig, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
+from kvsvc.healthprobe import SERVING, probe
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - a missing test dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-K8S = DOCKER / "kubernetes"
+K8S = ROOT / "deploy" / "kubernetes"
 SERVER_SERVICE = "kvsvc"
 DEMO_SERVICE = "demo"
 VENV_BIN = Path(sys.executable).parent  # stands in for the image's /opt/kvsvc/bin
@@ -216,16 +216,9 @@ def health_probe(addr: str, service: str, connect_timeout: float = 1.0, rpc_time
     """grpc_health_probe's semantics (its defaults: -connect-timeout=1s,
     -rpc-timeout=1s): success iff grpc.health.v1.Health/Check for `service`
     answers SERVING. grpc_health_probe is a Go binary fetched from GitHub, which
-    cannot be installed here, so grpc's own health stub does the same call."""
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=rpc_timeout
-            )
-        except (grpc.FutureTimeoutError, grpc.RpcError):
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    cannot be installed here; kvsvc.healthprobe (the image's probe where that
+    download fails) makes the same call."""
+    return probe(addr, service, connect_timeout, rpc_timeout)[0] == SERVING
 
 
 # --- helpers ---------------------------------------------------------------------
@@ -332,70 +325,157 @@ def test_image_and_compose_agree_with_the_server():
     assert flags["service"] == SERVICE_NAME
 
     # compose: published ports reach the server; the demo targets it, after it is
-    # healthy, inside its IPC namespace (one /dev/shm), which is big enough.
+    # healthy, and shares nothing else with it but the socket volume: no IPC
+    # namespace, no /dev/shm. Its memory goes over the fd socket as sealed memfds.
     targets = {int(str(p).rsplit(":", 1)[-1].split("/")[0]) for p in server_svc["ports"]}
     assert targets == {listen_port, config.metrics_port}
     demo_argv = service_argv(IMAGE, demo_svc)
     target = demo_argv[demo_argv.index("--target") + 1]
     assert host_port(target) == (SERVER_SERVICE, listen_port)
+    assert "--memfd" in demo_argv
     assert demo_svc["depends_on"][SERVER_SERVICE]["condition"] == "service_healthy"
-    assert server_svc["ipc"] == "shareable"
-    assert demo_svc["ipc"] == f"service:{SERVER_SERVICE}"
-    assert _parse_size(str(server_svc["shm_size"])) >= 1 << 30
+    for svc in (server_svc, demo_svc):
+        assert "ipc" not in svc and "shm_size" not in svc, "only the socket volume is shared"
+        assert svc.get("pid") is None and not svc.get("privileged")
+    assert config.socket_dir, "the server's sockets must be in a shared directory"
+    mounts = [
+        {str(v).split(":")[1]: str(v).split(":")[0] for v in svc.get("volumes", [])}
+        for svc in (server_svc, demo_svc)
+    ]
+    volume = mounts[0][config.socket_dir]
+    assert mounts[1] == {config.socket_dir: volume}, "the demo mounts the socket volume only"
+    assert volume in COMPOSE["volumes"], "a named volume, not a host path"
     assert config.shm_dir == "/dev/shm"
-    # The demo creates 0600 region files: it must run as the server's user.
+    # The sockets are 0660 for the server's uid/gid: the demo runs as the same user.
     assert demo_svc.get("user", IMAGE.user) == server_svc.get("user", IMAGE.user)
 
 
-def test_kubernetes_manifests_agree_with_the_server():
-    docs = {}
-    for path in sorted(K8S.glob("*.yaml")):
+def k8s_docs(topology: str) -> dict[str, list[dict]]:
+    """The manifests of deploy/kubernetes/<topology>, by kind."""
+    docs: dict[str, list[dict]] = {}
+    for path in sorted((K8S / topology).glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs[doc["kind"]] = doc
-    data = docs["ConfigMap"]["data"]
-    for name in data:
-        assert name in KNOWN_ENV, f"ConfigMap key {name} is not a kvsvc serve setting"
-    config = config_from_env(data)
+            if doc and doc.get("kind") != "Kustomization":
+                docs.setdefault(doc["kind"], []).append(doc)
+    return docs
 
-    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    assert container["envFrom"] == [
-        {"configMapRef": {"name": docs["ConfigMap"]["metadata"]["name"]}}
-    ]
+
+def pod_env(container: dict, docs: dict[str, list[dict]]) -> dict[str, str]:
+    """A container's variables: its envFrom ConfigMaps, then its env."""
+    env: dict[str, str] = {}
+    maps = {m["metadata"]["name"]: m["data"] for m in docs.get("ConfigMap", [])}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    env.update({e["name"]: str(e["value"]) for e in container.get("env", [])})
+    return env
+
+
+def check_server_container(container: dict, pod: dict, config: ServerConfig) -> None:
+    """What every kvsvc server container must be: probes on its port, memory for
+    its store, locked down."""
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert host_port(config.listen) == ("0.0.0.0", ports["grpc"])
+    assert host_port(config.listen) == ("0.0.0.0", ports["grpc"])  # the kubelet probes the pod IP
     assert config.metrics_port == ports["metrics"]
     assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": SERVICE_NAME}
     assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert container["livenessProbe"]["grpc"]["port"] == ports["grpc"]
     assert container["startupProbe"]["grpc"]["port"] == ports["grpc"]
     assert pod["terminationGracePeriodSeconds"] > config.shutdown_grace
-
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"]["drop"] == ["ALL"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    shm = volumes[mounts[config.shm_dir]]["emptyDir"]
-    assert shm["medium"] == "Memory"
-    shm_bytes = k8s_quantity(shm["sizeLimit"])
+    assert sc.get("runAsUser", pod["securityContext"].get("runAsUser")) == 10001
     limit = k8s_quantity(container["resources"]["limits"]["memory"])
     request = k8s_quantity(container["resources"]["requests"]["memory"])
-    assert shm_bytes >= config.store_bytes, "/dev/shm is sized from the store capacity"
-    # memory limit > store + /dev/shm (tmpfs counts against it) + >= 512 MiB overhead
-    assert limit >= config.store_bytes + shm_bytes + (512 << 20)
+    # the store + >= 1 GiB for Python, torch, gRPC messages; requests = limits
+    assert limit >= config.store_bytes + (1 << 30)
     assert request == limit
+    # The socket dir is a volume the engine can share; nothing else is shared.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert config.socket_dir in mounts, "the socket dir must be a volume"
+    assert not pod.get("hostIPC") and not pod.get("hostPID") and not pod.get("hostNetwork")
+    assert not sc.get("privileged")
 
-    svc = docs["Service"]
-    assert (
-        svc["spec"]["selector"].items()
-        <= docs["DaemonSet"]["spec"]["selector"]["matchLabels"].items()
-    )
-    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(ports)
+
+def test_node_topology_serves_engines_in_other_pods_through_a_host_path():
+    docs = k8s_docs("node")
+    (configmap,) = docs["ConfigMap"]
+    for name in configmap["data"]:
+        assert name in KNOWN_ENV, f"ConfigMap key {name} is not a kvsvc serve setting"
+    (ds,) = docs["DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config = config_from_env(pod_env(container, docs))
+    check_server_container(container, pod, config)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    host_dir = volumes[mounts[config.socket_dir]]["hostPath"]["path"]
+    # the init container hands the host directory to the server's uid, 0750
+    (init,) = pod["initContainers"]
+    assert init["command"][:2] == ["install", "-d"] and init["command"][-1] == config.socket_dir
+    assert init["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
+    assert not init["securityContext"].get("privileged")
+    (svc,) = docs["Service"]
+    assert svc["spec"]["selector"].items() <= ds["spec"]["selector"]["matchLabels"].items()
+    ports = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+
+    # The example engine: another pod, another uid, the same host directory, the
+    # server's group, and nothing else shared.
+    (engine,) = k8s_docs("examples")["Deployment"]
+    epod = engine["spec"]["template"]["spec"]
+    evolumes = {v["name"]: v for v in epod["volumes"] if "hostPath" in v}
+    (emount,) = [m for c in epod["containers"] for m in c["volumeMounts"] if m["name"] in evolumes]
+    assert evolumes[emount["name"]]["hostPath"]["path"] == host_dir
+    assert emount["mountPath"] == config.socket_dir
+    assert epod["securityContext"]["runAsUser"] != 10001
+    assert 10001 in epod["securityContext"]["supplementalGroups"]
+    assert not epod.get("hostIPC") and not epod.get("hostPID")
+    (ec,) = epod["containers"]
+    assert f"unix:{config.socket_dir}/grpc.sock" in " ".join(ec["command"] + ec["args"])
+
+
+def sidecar_pod(topology: str) -> tuple[dict, dict, dict, ServerConfig]:
+    (dep,) = k8s_docs(topology)["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    (server,) = pod["initContainers"]
+    (engine,) = pod["containers"]
+    assert server["restartPolicy"] == "Always", "a native sidecar: starts first, stops last"
+    return pod, server, engine, config_from_env(pod_env(server, {}))
+
+
+def test_sidecar_topology_shares_only_a_socket_volume():
+    pod, server, engine, config = sidecar_pod("sidecar")
+    check_server_container(server, pod, config)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    smounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    emounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    sockets = smounts[config.socket_dir]
+    assert "emptyDir" in volumes[sockets]
+    assert emounts[sockets] == config.socket_dir
+    shared = set(smounts.values()) & set(emounts)
+    assert shared == {sockets}, f"server and engine share {shared}, not only the sockets"
+    assert pod["securityContext"]["fsGroup"] == 10001  # the group that may connect
+    assert engine["securityContext"]["runAsUser"] != 10001
+    assert not pod.get("shareProcessNamespace")
+
+
+def test_gpu_topology_says_what_cuda_ipc_needs():
+    pod, server, engine, config = sidecar_pod("gpu")
+    check_server_container(server, pod, config)
+    assert config.device == "cuda"
+    assert server["image"].endswith(":cuda")
+    # (1) one GPU seen by both, (2) one PID namespace, (3) one /dev/shm
+    (claim,) = pod["resourceClaims"]
+    for c in (server, engine):
+        assert {"name": claim["name"]} in c["resources"]["claims"]
+        assert any(m["mountPath"] == "/dev/shm" for m in c["volumeMounts"])
+    assert pod["shareProcessNamespace"] is True
+    (template,) = k8s_docs("gpu")["ResourceClaimTemplate"]
+    assert template["metadata"]["name"] == claim["resourceClaimTemplateName"]
+    text = (K8S / "gpu" / "deployment.yaml").read_text()
+    assert "nvidia.com/gpu" in text and "BASE_IMAGE=nvidia/cuda" in text
 
 
 # --- the container commands, run here ---------------------------------------------
@@ -439,6 +519,8 @@ def kv_server(tmp_path_factory):
         KVSVC_METRICS_PORT=str(metrics_port),
         KVSVC_SHM_DIR=shm_dir,
     )
+    if env.get("KVSVC_SOCKET_DIR"):  # the volume's mount point, here a directory of ours
+        env["KVSVC_SOCKET_DIR"] = str(tmp_path_factory.mktemp("sockets") / "run-kvsvc")
     argv = resolve(service_argv(IMAGE, svc), env)
     log = tmp_path_factory.mktemp("server") / "server.log"
     with log.open("wb") as out:
@@ -521,8 +603,8 @@ def test_compose_demo_command(kv_server):
     argv = service_argv(IMAGE, SERVICES[DEMO_SERVICE])
     i = argv.index("--target") + 1
     argv[i] = kv_server.addr  # kvsvc:50051 inside compose's network
-    # In compose the demo shares the server's /dev/shm (ipc: service:kvsvc); here
-    # the server maps regions from a temporary directory, so the demo uses it too.
+    # In compose the demo passes memfds through the socket volume; --shm-dir only
+    # matters to a demo that maps files, and here those are in the server's dir.
     if "--shm-dir" in argv:
         argv[argv.index("--shm-dir") + 1] = kv_server.shm_dir
     else:
@@ -542,6 +624,8 @@ def test_compose_demo_command(kv_server):
         f"{argv} exited {done.returncode}\n{done.stdout}\n{done.stderr}\n"
         f"server log:\n{kv_server.output()}"
     )
+    if "--memfd" in argv:  # its memory went over the fd socket, not through a shared dir
+        assert "map source cache (memfd)" in done.stdout, done.stdout
     after = scrape(kv_server.metrics_url)
     for rpc in ("Map", "Store", "Retrieve"):
         key = f'kvsvc_requests_total{{outcome="result",rpc="{rpc}"}}'

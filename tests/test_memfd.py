@@ -189,8 +189,8 @@ def test_passed_fds_expire_and_are_bounded(tmp_path) -> None:
         dup, size, owner = broker.open(tokens[0])
         os.close(dup)
         assert size == 4096
-        assert owner >= 0 and not fdbroker.exited(owner)  # this process passed it
-        os.close(owner)
+        assert owner is not None and not owner.gone()  # this process passed it
+        owner.close()
         time.sleep(3.1)
         with pytest.raises(InvalidRequest):
             broker.open(tokens[0])
@@ -441,15 +441,16 @@ def test_a_token_a_map_used_outlives_the_unused_ttl(tmp_path) -> None:
     fd = fdpass.make_sealed_memfd("m", 4096)
     try:
         used = fdpass.send_fd(broker.path, fd)
-        for f in broker.open(used)[::2]:  # a Map's use, right away
-            os.close(f)
+        dup, _, owner = broker.open(used)  # a Map's use, right away
+        os.close(dup)
+        owner.close()
         unused = fdpass.send_fd(broker.path, fd)
         assert eventually(lambda: len(broker) == 1, timeout=30)
         with pytest.raises(InvalidRequest):
             broker.open(unused)
         dup, size, owner = broker.open(used)
         os.close(dup)
-        os.close(owner)
+        owner.close()
         assert size == 4096
     finally:
         os.close(fd)
@@ -502,3 +503,68 @@ def test_exited_works_for_a_pidfd_past_fd_setsize() -> None:
         os.close(high)
         os.close(pidfd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# --- leases: an engine's memory lives while its fd-socket connection does ---
+LEASED_ENGINE = """
+import json, os, sys
+from kvsvc.client import KVCacheClient
+from kvsvc.kvcache import SharedKVCache
+cache = SharedKVCache("leased", num_layers=2, num_blocks=8, memfd=True)
+client = KVCacheClient(sys.argv[1])
+m = client.map("ns", [cache.rank_region(token=client.register_memfd(cache.fd))])
+client.store(m, [(b"leased", [1, 2])])
+print(json.dumps({"mapping": m.mapping_id}), flush=True)
+sys.stdin.readline()  # killed here
+"""
+
+
+def test_a_dead_engines_mapping_is_released_without_any_map(server, client) -> None:
+    """The engine passes its memfd over a lease connection (the Python client's
+    register_memfd) and is killed: the server releases the mapping on its own,
+    within seconds, with no Map or Unmap from anyone (the old server waited for
+    the next Map)."""
+    import json
+    import subprocess
+    import sys
+
+    engine = subprocess.Popen(
+        [sys.executable, "-c", LEASED_ENGINE, server.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    servicer = server.server.servicer
+    try:
+        mapping = json.loads(engine.stdout.readline())["mapping"]
+        assert mapping in servicer.mappings
+        assert servicer.fds.leases == 1
+        time.sleep(1.5)  # alive: the reaper's rounds leave it alone
+        assert mapping in servicer.mappings
+    finally:
+        killed = time.monotonic()
+        engine.kill()
+        engine.wait(timeout=30)
+    assert eventually(lambda: mapping not in servicer.mappings, timeout=10)
+    print(f"released {time.monotonic() - killed:.3f} s after SIGKILL")
+    assert servicer.fds.leases == 0 and len(servicer.fds) == 0
+    assert health_status(server.address) == SERVING
+
+
+def test_closing_the_client_ends_its_lease(server, shm_dir) -> None:
+    """Closing the client that passed the memfd is the engine letting go: its
+    mappings are released; another client's mapping stays."""
+    servicer = server.server.servicer
+    cache = make_cache(shm_dir, "c", seed=3, memfd=True)
+    other = make_cache(shm_dir, "o", seed=4, memfd=True)
+    with KVCacheClient(server.address) as keeper:
+        kept = keeper.map("ns", [other.rank_region(token=keeper.register_memfd(other.fd))])
+        with KVCacheClient(server.address) as c:
+            m = c.map("ns", [cache.rank_region(token=c.register_memfd(cache.fd))])
+            token2 = c.register_memfd(cache.fd)  # a second pass rides the same lease
+            assert token2 and servicer.fds.leases == 2
+        assert eventually(lambda: m.mapping_id not in servicer.mappings, timeout=10)
+        assert kept.mapping_id in servicer.mappings
+        keeper.store(kept, [(b"k", [0])])
+        with pytest.raises(InvalidRequest) as e:  # the lease's tokens went with it
+            keeper.map("ns", [cache.rank_region(token=token2)])
+        assert e.value.reason == "FD_TOKEN_UNKNOWN"

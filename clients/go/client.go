@@ -14,7 +14,7 @@ import (
 	"strings"
 	"time"
 
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -61,6 +61,10 @@ type Options struct {
 	// DialOptions are appended to the defaults (plaintext or TLS, 256 MiB
 	// messages, keepalive the server permits).
 	DialOptions []grpc.DialOption
+	// FdSocket is the server's fd socket as this process sees it, when not
+	// where the server says (another container mounts the socket directory
+	// elsewhere).
+	FdSocket string
 }
 
 // bearer sends a token with every call; plaintext is allowed (loopback and unix
@@ -80,12 +84,19 @@ type Client struct {
 	health          healthpb.HealthClient
 	transferTimeout time.Duration
 	controlTimeout  time.Duration
+	fdSocket        string
+	lease           *fdLease
 }
 
 // New creates a client for target ("host:port"); it connects lazily, so a
 // server that cannot be reached shows up as ServiceUnavailable on the first call.
 func New(target string, opts Options) (*Client, error) {
-	c := &Client{transferTimeout: opts.TransferTimeout, controlTimeout: opts.ControlTimeout}
+	c := &Client{
+		transferTimeout: opts.TransferTimeout,
+		controlTimeout:  opts.ControlTimeout,
+		fdSocket:        opts.FdSocket,
+		lease:           &fdLease{},
+	}
 	if c.transferTimeout == 0 {
 		c.transferTimeout = DefaultTransferTimeout
 	}
@@ -127,7 +138,12 @@ func New(target string, opts Options) (*Client, error) {
 }
 
 // Close closes the connection.
-func (c *Client) Close() error { return c.conn.Close() }
+// Close ends the client's fd lease (the server releases the mappings of the
+// memfds passed through it) and its connection.
+func (c *Client) Close() error {
+	c.lease.close()
+	return c.conn.Close()
+}
 
 // TransferTimeout is the default timeout of transfer calls.
 func (c *Client) TransferTimeout() time.Duration { return c.transferTimeout }

@@ -12,7 +12,7 @@ import (
 	"fmt"
 	"strings"
 
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )

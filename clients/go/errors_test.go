@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )

@@ -8,8 +8,8 @@ import (
 	"syscall"
 	"time"
 
-	kvsvc "example.com/kvsvc/clients/go"
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	kvsvc "github.com/kvsvc/kvsvc/clients/go"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 )
 
 // The README's sealed memfd example (compiled by go vet and go test; the same

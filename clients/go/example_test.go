@@ -7,7 +7,7 @@ import (
 	"log"
 	"time"
 
-	kvsvc "example.com/kvsvc/clients/go"
+	kvsvc "github.com/kvsvc/kvsvc/clients/go"
 )
 
 // The README's example (compiled by go vet and go test; the same calls run

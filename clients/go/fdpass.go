@@ -15,16 +15,19 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
 
-// fdMagic is the one message the fd socket takes (fdpass.MAGIC).
-var fdMagic = []byte("kvsvc-fd/1")
+// fdLeaseMagic is the message of a pass over a lease connection
+// (fdpass.LEASE_MAGIC): the connection stays open for the next passes, and
+// while it is open the server keeps the mappings of the memfds passed over it.
+var fdLeaseMagic = []byte("kvsvc-fd/L")
 
 const registerMemfdMethod = "RegisterMemfd"
 
@@ -32,10 +35,13 @@ const registerMemfdMethod = "RegisterMemfd"
 // server's fd socket and returns the token that a SealedMemfdHandle names in
 // a Map. The server keeps its own copy of the fd for 60 s, so a failed Map can
 // be retried and several ranks can share one token; fd stays the caller's.
+// The fd goes over the client's lease connection, open until Close: the
+// server keeps mappings of the memfd while it is open and releases them when
+// it closes (Close, or this process dies, in any container).
 //
-// It asks GetServerInfo where the socket is, then does the exchange, all
-// within one deadline: the context's, else WithTimeout, else the control
-// timeout. Errors: Unimplemented (FD_PASSING_DISABLED) when the server has no
+// It asks GetServerInfo where the socket is (unless Options.FdSocket says),
+// then does the exchange, all within one deadline: the context's, else
+// WithTimeout, else the control timeout. Errors: Unimplemented (FD_PASSING_DISABLED) when the server has no
 // fd socket; ServiceUnavailable (FD_SOCKET_UNAVAILABLE) when the socket cannot
 // be reached or closes without an answer; DeadlineExceeded (FD_SOCKET_TIMEOUT);
 // Cancelled; and whatever the server refuses the fd with, e.g. InvalidRequest
@@ -48,6 +54,9 @@ func (c *Client) RegisterMemfd(ctx context.Context, fd int, opts ...CallOption) 
 	}
 	ctx, cancel := c.deadline(ctx, p)
 	defer cancel()
+	if c.fdSocket != "" {
+		return c.lease.send(ctx, c.fdSocket, fd)
+	}
 	info, err := c.ServerInfo(ctx)
 	if err != nil {
 		return "", err
@@ -62,22 +71,58 @@ func (c *Client) RegisterMemfd(ctx context.Context, fd int, opts ...CallOption) 
 			Method:   registerMemfdMethod,
 		})
 	}
-	return sendFd(ctx, info.GetFdSocket(), fd)
+	return c.lease.send(ctx, info.GetFdSocket(), fd)
 }
 
-// sendFd does the exchange on the fd socket at path, bounded by ctx.
-func sendFd(ctx context.Context, path string, fd int) (string, error) {
-	var dialer net.Dialer
-	conn, err := dialer.DialContext(ctx, "unixpacket", path)
-	if err != nil {
-		return "", fdSocketError(ctx, path, err)
+// fdLease is a client's lease connection to the fd socket, made on first use.
+// A connection whose exchange failed midway is kept open (its passes stay
+// leased) but not reused: a late reply there could be taken for the next one.
+type fdLease struct {
+	mu      sync.Mutex
+	path    string
+	conn    *net.UnixConn
+	retired []*net.UnixConn
+}
+
+func (l *fdLease) send(ctx context.Context, path string, fd int) (string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.conn != nil && l.path != path { // the server moved: a new lease there
+		l.retired = append(l.retired, l.conn)
+		l.conn = nil
 	}
-	uc := conn.(*net.UnixConn)
-	defer uc.Close()
-	if deadline, ok := ctx.Deadline(); ok {
-		if err := uc.SetDeadline(deadline); err != nil {
+	if l.conn == nil {
+		var dialer net.Dialer
+		conn, err := dialer.DialContext(ctx, "unixpacket", path)
+		if err != nil {
 			return "", fdSocketError(ctx, path, err)
 		}
+		l.conn, l.path = conn.(*net.UnixConn), path
+	}
+	token, broken, err := exchange(ctx, l.conn, path, fd)
+	if broken {
+		l.retired = append(l.retired, l.conn)
+		l.conn = nil
+	}
+	return token, err
+}
+
+func (l *fdLease) close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, c := range append(l.retired, l.conn) {
+		if c != nil {
+			_ = c.Close()
+		}
+	}
+	l.conn, l.retired = nil, nil
+}
+
+// exchange does one pass on uc, bounded by ctx; broken: uc must not be reused.
+func exchange(ctx context.Context, uc *net.UnixConn, path string, fd int) (string, bool, error) {
+	deadline, _ := ctx.Deadline() // zero: none, which also clears an earlier one
+	if err := uc.SetDeadline(deadline); err != nil {
+		return "", true, fdSocketError(ctx, path, err)
 	}
 	// A cancelled context wakes the blocked write or read.
 	stop := make(chan struct{})
@@ -89,26 +134,28 @@ func sendFd(ctx context.Context, path string, fd int) (string, error) {
 		case <-stop:
 		}
 	}()
-	if _, _, err := uc.WriteMsgUnix(fdMagic, syscall.UnixRights(fd), nil); err != nil {
-		return "", fdSocketError(ctx, path, err)
+	if _, _, err := uc.WriteMsgUnix(fdLeaseMagic, syscall.UnixRights(fd), nil); err != nil {
+		return "", true, fdSocketError(ctx, path, err)
 	}
 	buf := make([]byte, 1<<16)
 	n, err := uc.Read(buf)
 	if err != nil && !errors.Is(err, io.EOF) {
-		return "", fdSocketError(ctx, path, err)
+		return "", true, fdSocketError(ctx, path, err)
 	}
 	reply := buf[:n]
 	switch {
 	case n > 1 && reply[0] == 0:
-		return string(reply[1:]), nil
+		return string(reply[1:]), false, nil
 	case n >= 1 && reply[0] == 1:
 		env := &pb.RemoteError{}
 		if err := proto.Unmarshal(reply[1:], env); err != nil {
-			return "", fdSocketUnavailable(path, fmt.Sprintf("the fd socket %s answered an unreadable error: %v", path, err), err)
+			return "", true, fdSocketUnavailable(path, fmt.Sprintf("the fd socket %s answered an unreadable error: %v", path, err), err)
 		}
-		return "", FromRemoteError(env, registerMemfdMethod)
+		// A refused fd leaves the lease as it was; one refused for the lease
+		// itself (FD_SOCKET_BUSY) comes with the connection's end.
+		return "", env.GetReason() == "FD_SOCKET_BUSY", FromRemoteError(env, registerMemfdMethod)
 	}
-	return "", fdSocketUnavailable(path, fmt.Sprintf("the fd socket %s closed without an answer", path), nil)
+	return "", true, fdSocketUnavailable(path, fmt.Sprintf("the fd socket %s closed without an answer", path), nil)
 }
 
 // fdSocketError is the error for a failed connect, write or read: Cancelled

@@ -9,6 +9,7 @@ package kvsvc
 import (
 	"bytes"
 	"context"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -18,7 +19,7 @@ import (
 	"testing"
 	"time"
 
-	pb "example.com/kvsvc/clients/go/gen/kvsvc/v1"
+	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
@@ -252,6 +253,14 @@ func shortTempDir(t *testing.T) string {
 	return dir
 }
 
+// leaseSend is one pass on a new lease, closed with the test.
+func leaseSend(t *testing.T, ctx context.Context, path string, fd int) (string, error) {
+	t.Helper()
+	lease := &fdLease{}
+	t.Cleanup(lease.close)
+	return lease.send(ctx, path, fd)
+}
+
 func TestFdSocketFailures(t *testing.T) {
 	fd, err := MakeSealedMemfd("kvsvc-go-fake", 4096)
 	if err != nil {
@@ -271,11 +280,11 @@ func TestFdSocketFailures(t *testing.T) {
 			conn.Write([]byte("\x00tok"))
 			conn.Close()
 		})
-		token, err := sendFd(ctxFor(t, 5*time.Second), path, fd)
+		token, err := leaseSend(t, ctxFor(t, 5*time.Second), path, fd)
 		if err != nil || token != "tok" {
 			t.Fatalf("%q %v", token, err)
 		}
-		if g := <-got; g != "kvsvc-fd/1 fd size=4096" {
+		if g := <-got; g != "kvsvc-fd/L fd size=4096" {
 			t.Errorf("the server got %q", g)
 		}
 	})
@@ -292,7 +301,7 @@ func TestFdSocketFailures(t *testing.T) {
 			conn.Write(append([]byte{1}, raw...))
 			conn.Close()
 		})
-		_, err = sendFd(ctxFor(t, 5*time.Second), path, fd)
+		_, err = leaseSend(t, ctxFor(t, 5*time.Second), path, fd)
 		if e := expect(t, err, "CapacityExhausted"); e.Reason != "FD_TOKENS_EXHAUSTED" || !e.Remote ||
 			e.Method != "RegisterMemfd" {
 			t.Errorf("%+v", e)
@@ -310,13 +319,13 @@ func TestFdSocketFailures(t *testing.T) {
 
 	t.Run("no socket at the path is ServiceUnavailable", func(t *testing.T) {
 		path := filepath.Join(shortTempDir(t), "none")
-		_, err := sendFd(ctxFor(t, 5*time.Second), path, fd)
+		_, err := leaseSend(t, ctxFor(t, 5*time.Second), path, fd)
 		unavailable(t, err, path, "cannot pass an fd through")
 	})
 
 	t.Run("a socket that closes without an answer is ServiceUnavailable", func(t *testing.T) {
 		path := fakeFdSocket(t, func(conn *net.UnixConn, _ []byte, _ []int) { conn.Close() })
-		_, err := sendFd(ctxFor(t, 5*time.Second), path, fd)
+		_, err := leaseSend(t, ctxFor(t, 5*time.Second), path, fd)
 		unavailable(t, err, path, "closed without an answer")
 	})
 
@@ -325,7 +334,7 @@ func TestFdSocketFailures(t *testing.T) {
 			conn.Write([]byte{1, 0xff, 0xff})
 			conn.Close()
 		})
-		_, err := sendFd(ctxFor(t, 5*time.Second), path, fd)
+		_, err := leaseSend(t, ctxFor(t, 5*time.Second), path, fd)
 		unavailable(t, err, path, "unreadable error")
 	})
 
@@ -344,7 +353,7 @@ func TestFdSocketFailures(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
 		t0 := time.Now()
-		_, err := sendFd(ctx, silent(t), fd)
+		_, err := leaseSend(t, ctx, silent(t), fd)
 		e := expect(t, err, "DeadlineExceeded")
 		if e.Code != codes.DeadlineExceeded || e.Reason != "FD_SOCKET_TIMEOUT" || e.Retryable || e.Remote {
 			t.Errorf("%+v", e)
@@ -359,7 +368,7 @@ func TestFdSocketFailures(t *testing.T) {
 		timer := time.AfterFunc(200*time.Millisecond, cancel)
 		defer timer.Stop()
 		t0 := time.Now()
-		_, err := sendFd(ctx, silent(t), fd)
+		_, err := leaseSend(t, ctx, silent(t), fd)
 		if e := expect(t, err, "Cancelled"); e.Code != codes.Canceled {
 			t.Errorf("%+v", e)
 		}
@@ -375,4 +384,50 @@ func TestFdSocketFailures(t *testing.T) {
 			t.Errorf("%+v", e)
 		}
 	})
+}
+
+// The memfd goes over the client's lease connection: closing the client (an
+// engine that exits) makes the server release the mapping by itself, no Unmap.
+func TestClosedClientsMemfdMappingIsReleased(t *testing.T) {
+	addr := sharedServer(t).addr
+	ctx := ctxFor(t, 30*time.Second)
+	fd, err := MakeSealedMemfd("kvsvc-go-lease", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFd(t, fd)
+	engine, err := New(addr, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	token, err := engine.RegisterMemfd(ctx, fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := engine.Map(ctx, memfdMapRequest(uniq(t, "ns-lease"), token))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := engine.RegisterMemfd(ctx, fd); err != nil { // a second pass, same lease
+		t.Fatal(err)
+	}
+	if err := engine.Close(); err != nil {
+		t.Fatal(err)
+	}
+	other := newClient(t, addr, Options{})
+	deadline := time.Now().Add(10 * time.Second) // released at once; a loaded CI host
+	for {
+		_, err := other.LookupMapping(ctx, m.MappingId, [][]byte{[]byte("k")})
+		var lost *MappingLost
+		if errors.As(err, &lost) {
+			return
+		}
+		if err != nil {
+			t.Fatalf("lookup: %v", err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("mapping %s outlived its client by 10 s", m.MappingId)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

@@ -1,4 +1,4 @@
-module example.com/kvsvc/clients/go
+module github.com/kvsvc/kvsvc/clients/go
 
 go 1.19
 

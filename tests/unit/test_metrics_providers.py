@@ -39,12 +39,13 @@ class Lease:
 class Fds:
     tokens: list[str] = field(default_factory=list)
     peers: int = 0
+    leases: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def open_fds(self) -> int:
-        return 2 * len(self.tokens) + self.peers + 1
+        return 2 * len(self.tokens) + self.peers + self.leases + 1
 
 
 def scrape(metrics: Metrics) -> dict[str, float]:
@@ -74,6 +75,7 @@ def test_gauges_follow_the_providers_live() -> None:
     mappings["m-1"] = object()
     fds.tokens.append("t")
     fds.peers = 4
+    fds.leases = 2
     health.serving, health.failure_time = False, 1.0
     now = scrape(metrics)
     assert now["kvsvc_store_used_bytes"] == 4096
@@ -85,7 +87,8 @@ def test_gauges_follow_the_providers_live() -> None:
     assert now["kvsvc_mappings"] == 1
     assert now["kvsvc_fd_tokens_held"] == 1
     assert now["kvsvc_fd_socket_peers"] == 4
-    assert now["kvsvc_fd_socket_open_fds"] == 7
+    assert now["kvsvc_fd_leases"] == 2
+    assert now["kvsvc_fd_socket_open_fds"] == 9
     assert now["kvsvc_serving"] == 0
     assert now["kvsvc_seconds_since_last_fatal"] > 0
 
@@ -96,7 +99,8 @@ def bare() -> Metrics:
 
 def test_without_an_fd_socket_its_gauges_read_zero() -> None:
     values = scrape(bare())
-    for name in ("kvsvc_fd_tokens_held", "kvsvc_fd_socket_peers", "kvsvc_fd_socket_open_fds"):
+    names = ("kvsvc_fd_tokens_held", "kvsvc_fd_socket_peers", "kvsvc_fd_leases")
+    for name in (*names, "kvsvc_fd_socket_open_fds"):
         assert values[name] == 0
 
 

@@ -95,7 +95,9 @@ grpc::Status Client::run(const Plan& plan, Rpc rpc) {
 }
 
 Client::Client(const std::string& target, Options options)
-    : transfer_timeout_(options.transfer_timeout), control_timeout_(options.control_timeout) {
+    : fd_socket_(options.fd_socket),
+      transfer_timeout_(options.transfer_timeout),
+      control_timeout_(options.control_timeout) {
   validate_timeout(transfer_timeout_, "transfer_timeout");
   validate_timeout(control_timeout_, "control_timeout");
   grpc::ChannelArguments args;

@@ -1,8 +1,10 @@
 // Passing a sealed memfd to the server's fd socket: the client side of
 // kvsvc/fdpass.py. Connect a SOCK_SEQPACKET socket to
-// GetServerInfoResult.fd_socket, send kMagic with exactly one fd in
-// SCM_RIGHTS, and read one reply: 0x00 then the token, or 0x01 then a
-// serialized RemoteError.
+// GetServerInfoResult.fd_socket (or Options::fd_socket), send kLeaseMagic with
+// exactly one fd in SCM_RIGHTS, and read one reply: 0x00 then the token, or
+// 0x01 then a serialized RemoteError. The connection stays open for the next
+// passes: it is the lease that keeps the server's mappings of those memfds
+// alive, and its end (this client destroyed, or the process dead) releases them.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -11,13 +13,15 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <system_error>
+#include <vector>
 
 #include "kvsvc/client.h"
 
 namespace kvsvc {
 namespace {
-constexpr char kMagic[] = "kvsvc-fd/1";  // fdpass.MAGIC
+constexpr char kLeaseMagic[] = "kvsvc-fd/L";  // fdpass.LEASE_MAGIC
 constexpr const char* kMethod = "RegisterMemfd";
 
 [[noreturn]] void fd_socket_unavailable(const std::string& path, const std::string& message) {
@@ -60,6 +64,11 @@ class Fd {
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   int get() const { return fd_; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
 
  private:
   int fd_;
@@ -78,8 +87,8 @@ void bound(int sock, const std::string& path, std::chrono::system_clock::time_po
   }
 }
 
-std::string send_fd(const std::string& path, int fd,
-                    std::chrono::system_clock::time_point deadline) {
+// A connected SOCK_SEQPACKET socket to the fd socket at path.
+int connect_fd_socket(const std::string& path, std::chrono::system_clock::time_point deadline) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof addr.sun_path) {
@@ -94,8 +103,13 @@ std::string send_fd(const std::string& path, int fd,
     rc = ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) fd_socket_error(path, errno);
+  return sock.release();
+}
 
-  iovec iov{const_cast<char*>(kMagic), sizeof kMagic - 1};
+// One pass on the connected sock: kLeaseMagic with fd; the token or a throw.
+std::string exchange(int sock, const std::string& path, int fd,
+                     std::chrono::system_clock::time_point deadline) {
+  iovec iov{const_cast<char*>(kLeaseMagic), sizeof kLeaseMagic - 1};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -109,15 +123,15 @@ std::string send_fd(const std::string& path, int fd,
   std::memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
   ssize_t n;
   do {
-    bound(sock.get(), path, deadline);
-    n = ::sendmsg(sock.get(), &msg, MSG_NOSIGNAL);
+    bound(sock, path, deadline);
+    n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
   if (n < 0) fd_socket_error(path, errno);
 
   std::string reply(1 << 16, '\0');
   do {
-    bound(sock.get(), path, deadline);
-    n = ::recv(sock.get(), reply.data(), reply.size(), 0);
+    bound(sock, path, deadline);
+    n = ::recv(sock, reply.data(), reply.size(), 0);
   } while (n < 0 && errno == EINTR);
   if (n < 0) fd_socket_error(path, errno);
   reply.resize(static_cast<size_t>(n));
@@ -133,6 +147,20 @@ std::string send_fd(const std::string& path, int fd,
 }
 }  // namespace
 
+// The lease connection: opened on the first pass, closed with the client.
+// Connections whose exchange failed midway are kept (their passes stay leased)
+// but not reused: a late reply there could be taken for the next pass's.
+struct Client::FdLease {
+  std::mutex mu;
+  std::string path;
+  int sock = -1;
+  std::vector<int> retired;
+  ~FdLease() {
+    if (sock >= 0) ::close(sock);
+    for (int fd : retired) ::close(fd);
+  }
+};
+
 std::string Client::RegisterMemfd(int fd, const CallOptions& call) {
   Millis timeout = control_timeout_;
   if (call.timeout) {
@@ -140,22 +168,51 @@ std::string Client::RegisterMemfd(int fd, const CallOptions& call) {
     timeout = *call.timeout;
   }
   const auto deadline = std::chrono::system_clock::now() + timeout;
-  CallOptions info_call;
-  info_call.timeout = timeout;
-  info_call.cancel = call.cancel;  // the fd exchange after it is bounded by the deadline only
-  const v1::GetServerInfoResult info = GetServerInfo(info_call);
-  if (info.fd_socket().empty()) {
-    ErrorInfo e;
-    e.class_name = "Unimplemented";
-    e.code = grpc::StatusCode::UNIMPLEMENTED;
-    e.reason = "FD_PASSING_DISABLED";
-    e.message =
-        "the server has no fd socket (--fd-socket off, or it could not make one: see its log), "
-        "so it takes no memfds; map a file under its shm dir instead";
-    e.method = kMethod;
-    throw_error(std::move(e));
+  std::string path = fd_socket_;
+  if (path.empty()) {
+    CallOptions info_call;
+    info_call.timeout = timeout;
+    info_call.cancel = call.cancel;  // the fd exchange after it is bounded by the deadline only
+    const v1::GetServerInfoResult info = GetServerInfo(info_call);
+    if (info.fd_socket().empty()) {
+      ErrorInfo e;
+      e.class_name = "Unimplemented";
+      e.code = grpc::StatusCode::UNIMPLEMENTED;
+      e.reason = "FD_PASSING_DISABLED";
+      e.message =
+          "the server has no fd socket (--fd-socket off, or it could not make one: see its "
+          "log), so it takes no memfds; map a file under its shm dir instead";
+      e.method = kMethod;
+      throw_error(std::move(e));
+    }
+    path = info.fd_socket();
   }
-  return send_fd(info.fd_socket(), fd, deadline);
+  auto lease = std::atomic_load(&fd_lease_);
+  if (!lease) {
+    auto made = std::make_shared<FdLease>();
+    std::shared_ptr<FdLease> none;
+    std::atomic_compare_exchange_strong(&fd_lease_, &none, made);
+    lease = std::atomic_load(&fd_lease_);
+  }
+  std::lock_guard<std::mutex> lock(lease->mu);
+  if (lease->sock >= 0 && lease->path != path) {  // the server moved: a new lease there
+    lease->retired.push_back(lease->sock);
+    lease->sock = -1;
+  }
+  if (lease->sock < 0) {
+    lease->sock = connect_fd_socket(path, deadline);
+    lease->path = path;
+  }
+  try {
+    return exchange(lease->sock, path, fd, deadline);
+  } catch (const KVServiceError& e) {
+    const std::string& r = e.reason();
+    if (r == "FD_SOCKET_TIMEOUT" || r == "FD_SOCKET_UNAVAILABLE" || r == "FD_SOCKET_BUSY") {
+      lease->retired.push_back(lease->sock);  // the next pass opens a new connection
+      lease->sock = -1;
+    }
+    throw;
+  }
 }
 
 int make_sealed_memfd(const std::string& name, uint64_t size) {

@@ -181,6 +181,36 @@ TEST(Live, MemfdMappingRoundTripIsBitExact) {
   ::munmap(p, kSize);
 }
 
+// The memfd goes over the client's lease connection: destroying the client (an
+// engine that exits) makes the server release the mapping by itself, no Unmap.
+TEST(Live, DestroyedClientsMemfdMappingIsReleased) {
+  constexpr size_t kBlock = 1024, kSize = 4 * kBlock;
+  const int fd = kvsvc::make_sealed_memfd("leased", kSize);
+  std::string mapping;
+  {
+    kvsvc::Client engine(shared_server().addr());
+    v1::MemoryHandle h;
+    h.mutable_sealed_memfd()->set_token(engine.RegisterMemfd(fd));
+    h.mutable_sealed_memfd()->set_size_bytes(kSize);
+    mapping = engine.Map(map_request(uniq("ns-lease"), h, kBlock)).mapping_id();
+    EXPECT_FALSE(engine.RegisterMemfd(fd).empty());  // a second pass, same lease
+    engine.Store(mapping, {{"leased", {0}}});
+  }
+  ::close(fd);
+  kvsvc::Client other(shared_server().addr());
+  const auto until = Clock::now() + seconds(10);  // released at once; a loaded CI host
+  bool lost = false;
+  while (!lost && Clock::now() < until) {
+    try {
+      other.LookupMapping(mapping, {"leased"});
+      std::this_thread::sleep_for(milliseconds(20));
+    } catch (const kvsvc::MappingLost&) {
+      lost = true;
+    }
+  }
+  EXPECT_TRUE(lost) << "mapping " << mapping << " outlived its client by 10 s";
+}
+
 TEST(Live, ErrorsFromRealPaths) {
   TestServer& s = shared_server();
   kvsvc::Client c(s.addr());

@@ -1,8 +1,9 @@
 'use strict';
 // Node.js client for kvsvc.v1.KVCacheService on @grpc/grpc-js. The .proto files
-// are loaded at run time by @grpc/proto-loader from the repository's proto/
-// directory (override with the protoDir option or KVSVC_PROTO_DIR), so there is
-// no generated code to keep in sync.
+// are loaded at run time by @grpc/proto-loader: from the package's own proto/ once
+// installed (npm pack copies the repository's proto/ in), from the repository's
+// proto/ in a checkout (override with the protoDir option or KVSVC_PROTO_DIR), so
+// there is no generated code to keep in sync.
 
 const fs = require('node:fs');
 const path = require('node:path');
@@ -39,9 +40,16 @@ const LOADER_OPTIONS = {
 const LONG_CALLS = new Set(['Store', 'Retrieve', 'Unmap', 'Fence']);
 const METHODS = ['Map', 'Unmap', 'Store', 'Retrieve', 'Lookup', 'Fence', 'GetServerInfo'];
 
-/** Default location of the repository's proto/ directory. */
+/**
+ * Where the contract is: KVSVC_PROTO_DIR, else the package's own proto/ (an
+ * installed package carries it: npm pack copies it in), else the repository's
+ * proto/ (a checkout).
+ */
 function defaultProtoDir() {
-  return process.env.KVSVC_PROTO_DIR || path.resolve(__dirname, '..', '..', '..', 'proto');
+  if (process.env.KVSVC_PROTO_DIR) return process.env.KVSVC_PROTO_DIR;
+  const packaged = path.resolve(__dirname, '..', 'proto');
+  if (fs.existsSync(path.join(packaged, 'kvsvc', 'v1', 'kv_cache_service.proto'))) return packaged;
+  return path.resolve(__dirname, '..', '..', '..', 'proto');
 }
 
 const loaded = new Map();

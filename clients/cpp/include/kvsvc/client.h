@@ -39,6 +39,9 @@ struct Options {
   Millis control_timeout = kDefaultControlTimeout;
   // Insecure when null; pass grpc::SslCredentials(...) for TLS.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // The server's fd socket as this process sees it, when not where the server
+  // says (another container mounts the socket directory elsewhere).
+  std::string fd_socket;
 };
 
 // Cancels the calls it is passed to (CallOptions::cancel), from any thread: a
@@ -128,8 +131,12 @@ class Client {
 
   // Passes fd, a sealed memfd (make_sealed_memfd), to the server's fd socket
   // and returns the token a SealedMemfdHandle names in a Map. fd stays the
-  // caller's. One deadline (the control timeout by default) covers asking
-  // GetServerInfo for the socket and the exchange. Throws Unimplemented
+  // caller's. It goes over this client's lease connection, kept open until the
+  // client is destroyed: the server keeps mappings of the memfd while it is
+  // open and releases them when it closes (the client is destroyed, or this
+  // process dies, in any container). One deadline (the control timeout by
+  // default) covers asking GetServerInfo for the socket (skipped when
+  // Options::fd_socket is set) and the exchange. Throws Unimplemented
   // (FD_PASSING_DISABLED) when the server has no fd socket,
   // ServiceUnavailable (FD_SOCKET_UNAVAILABLE), DeadlineExceeded
   // (FD_SOCKET_TIMEOUT), or what the server refuses the fd with (e.g.
@@ -151,6 +158,9 @@ class Client {
   template <class Resp, class Rpc>
   auto unary(const Plan& plan, Rpc rpc) -> std::decay_t<decltype(std::declval<Resp>().result())>;
 
+  struct FdLease;  // fdpass.cc: the lease connection, made on first use
+  std::shared_ptr<FdLease> fd_lease_;
+  std::string fd_socket_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVCacheService::Stub> kv_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
