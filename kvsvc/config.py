@@ -367,8 +367,6 @@ def show_value(field_name: str, value: object) -> str:
     """A setting as README's table and ``--help`` write it (1G, 10, off)."""
     if isinstance(value, bool):
         return "on" if value else "off"
-    if value == "":
-        return "off"
     if field_name == "store_bytes" and isinstance(value, int):
         return format_size(value)
     if isinstance(value, float):
