@@ -737,7 +737,7 @@ class Unparsed:
         return to_remote_error(self.error, request_id, NOT_STARTED if transfer else NO_TRANSFER)
 
 
-class BoundedLog:
+class _BoundedLog:
     """At most one WARNING per ``interval_s``, counting what it held back: a peer
     sending garbage must not be able to fill the log."""
 
@@ -761,7 +761,7 @@ class BoundedLog:
 
 
 MALFORMED_LOG_INTERVAL_S = 10.0
-_malformed_log = BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)
+_malformed_log = _BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)
 
 
 def request_parser(message_cls: type[Message]) -> Callable[[bytes], Message | Unparsed]:

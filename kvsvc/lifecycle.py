@@ -95,6 +95,8 @@ class Server:
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
+            if self.servicer.remote is not None:
+                self.servicer.remote.close()
             raise ConfigError(
                 f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}"
                 f"{' and ' + config.health_listen if config.health_listen else ''}: "
@@ -199,6 +201,8 @@ class Server:
         engine.shutdown()
         if self.servicer.fds is not None:
             self.servicer.fds.close()
+        if self.servicer.remote is not None:
+            self.servicer.remote.close()  # queued writes are dropped, counted
 
 
 def _bound(listen: str, port: int) -> str:
