@@ -473,8 +473,6 @@ def show_value(field_name: str, value: object) -> str:
         return "on" if value else "off"
     if field_name.endswith("_bytes") and isinstance(value, int):
         return format_size(value)
-    if value == "":
-        return "none"
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
