@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test install proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container clean
+.PHONY: serve test install proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm clean
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
@@ -30,7 +30,7 @@ serve: install
 	  "$(VENV)/bin/kvsvc demo --target 127.0.0.1:50051"
 	$(VENV)/bin/kvsvc serve
 
-test: install lint typecheck check-proto buf pytest clients cpp languages deploy packages test-container
+test: install lint typecheck check-proto buf pytest clients cpp languages deploy packages vllm test-container
 	@echo "make test: all checks passed"
 
 proto: install
@@ -89,5 +89,9 @@ packages: install
 test-container: install
 	./scripts/test_container.sh
 
+# The vLLM connector against real vLLM on CPU, in its own cached venv (.venv-vllm).
+vllm:
+	./scripts/check_vllm.sh
+
 clean:
-	rm -rf $(VENV) tools/node_modules
+	rm -rf $(VENV) .venv-vllm tools/node_modules

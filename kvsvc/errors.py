@@ -760,6 +760,8 @@ class _BoundedLog:
         self.logger.warning(msg, *args)
 
 
+BoundedLog = _BoundedLog  # the public name (kvsvc.integrations use it)
+
 MALFORMED_LOG_INTERVAL_S = 10.0
 _malformed_log = _BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)
 

@@ -661,7 +661,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             hits = self.store.lookup(namespace, keys, None)
         if self.remote is not None and hits < len(keys):
             return self._lookup_remote(namespace, layout, keys, hits)
-        return self._lookup_response(hits)
+        return self._lookup_response(hits, len(keys))
 
     async def _lookup_remote(
         self, namespace: str, layout: str, keys: list[bytes], hits: int
@@ -675,9 +675,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             if not ((i < len(remote) and remote[i]) or self.store.lookup(namespace, [key], local)):
                 break
             hits += 1
-        return self._lookup_response(hits)
+        return self._lookup_response(hits, len(keys))
 
-    def _lookup_response(self, hits: int) -> pb.LookupResponse:
+    def _lookup_response(self, hits: int, asked: int) -> pb.LookupResponse:
+        self.metrics.observe_lookup(hits, asked)
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits

@@ -197,8 +197,14 @@ def service_env(image: Image, service: dict) -> dict[str, str]:
     environment = service.get("environment") or {}
     if isinstance(environment, list):
         environment = dict(item.split("=", 1) for item in environment)
-    env.update({k: "" if v is None else str(v) for k, v in environment.items()})
+    env.update({k: "" if v is None else compose_default(str(v)) for k, v in environment.items()})
     return env
+
+
+def compose_default(value: str) -> str:
+    """A value as compose interpolates it where none of its variables is set (as in
+    CI): ${VAR:-default} and ${VAR-default} give the default, ${VAR} nothing."""
+    return re.sub(r"\$\{\w+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
 
 
 # --- health, as grpc_health_probe does it ---------------------------------------
