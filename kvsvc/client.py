@@ -38,7 +38,7 @@ from kvsvc.calls import (
     Steps,
     Timeout,
 )
-from kvsvc.config import channel_options
+from kvsvc.config import ClientTLS, channel_options
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
 from kvsvc.session import AsyncSession, StreamStatus, SyncSession
 
@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT",
     "AsyncKVCacheClient",
     "BlockChunkList",
+    "ClientTLS",
     "KVCacheClient",
     "MappingHandle",
     "Timeout",
@@ -94,6 +95,36 @@ def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
         )
         for call in CALLS
     }
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channel(target: str, tls: ClientTLS | None, aio: bool) -> Any:
+    """A plaintext channel, or a TLS one (mTLS with a client certificate)."""
+    options: list[tuple[str, int | str]] = [*channel_options()]
+    if tls is None:
+        return (grpc.aio if aio else grpc).insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca),
+        private_key=_read(tls.key),
+        certificate_chain=_read(tls.cert),
+    )
+    options = [*options, *tls.options()]
+    return (grpc.aio if aio else grpc).secure_channel(target, credentials, options=options)
+
+
+def _call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The bearer token every call carries (None: none). Never logged."""
+    if token is None:
+        return None
+    if not token or any(c in token for c in "\r\n "):
+        raise ValueError("token must be a non-empty string without spaces or newlines")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def _face(method: F, op: Callable[..., Any]) -> F:
@@ -150,12 +181,21 @@ def _async_task(
 
 class KVCacheClient(Core):
     """Blocking client; ``*_async`` methods return ``concurrent.futures.Future``s
-    that always complete (the deadline bounds them)."""
+    that always complete (the deadline bounds them). ``token``: the bearer token of
+    a server with --auth-token-file; ``tls``: TLS (and mTLS) settings."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=False)
         self._rpcs = _rpcs(self._channel)
         self._session: SyncSession | None = None
         self._session_lock = threading.Lock()
@@ -175,7 +215,7 @@ class KVCacheClient(Core):
         with self._session_lock:
             s = self._session
             if s is None or s.failure is not None:
-                s = self._session = SyncSession(self._channel)
+                s = self._session = SyncSession(self._channel, self._metadata)
             return s
 
     def _unsupported(self, error: BaseException | None) -> bool:
@@ -248,7 +288,9 @@ class KVCacheClient(Core):
             except grpc.RpcError as exc:
                 if not self._unsupported(exc):
                     raise
-        return self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+        return self._rpcs[plan.call.method](
+            plan.request, timeout=plan.timeout, metadata=self._metadata
+        )
 
     def _settled(self, f: concurrent.futures.Future[Any], plan: Plan[Any]) -> Any:
         """A call's result, or its typed error as a value; anything else raises."""
@@ -305,7 +347,9 @@ class KVCacheClient(Core):
 
         def unary() -> None:
             try:
-                call = self._rpcs[plan.call.method].future(plan.request, timeout=plan.timeout)
+                call = self._rpcs[plan.call.method].future(
+                    plan.request, timeout=plan.timeout, metadata=self._metadata
+                )
             except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
                 self._advance(out, steps, (None, self._transport_error(plan, exc)))
                 return
@@ -330,12 +374,21 @@ class KVCacheClient(Core):
 
 
 class AsyncKVCacheClient(Core):
-    """asyncio client with the same methods; create it inside the running loop."""
+    """asyncio client with the same methods; create it inside the running loop.
+    ``token`` and ``tls`` as for :class:`KVCacheClient`."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=True)
         self._rpcs = _rpcs(self._channel)
         self._session: AsyncSession | None = None
 
@@ -351,7 +404,7 @@ class AsyncKVCacheClient(Core):
         if not (self.use_session and session.carries(plan)):
             return None
         if self._session is None or self._session.failure is not None:
-            self._session = AsyncSession(self._channel)
+            self._session = AsyncSession(self._channel, self._metadata)
         return self._session
 
     async def _send(self, plan: Plan[Any]) -> Any:
@@ -363,7 +416,9 @@ class AsyncKVCacheClient(Core):
                 if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self.use_session = False  # the server has no Session RPC: unary from now on
-        return await self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+        return await self._rpcs[plan.call.method](
+            plan.request, timeout=plan.timeout, metadata=self._metadata
+        )
 
     async def __aenter__(self) -> AsyncKVCacheClient:
         return self

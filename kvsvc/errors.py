@@ -172,6 +172,21 @@ class CapacityExhausted(KVServiceError):
     reason = "CAPACITY_EXHAUSTED"
 
 
+class PermissionDenied(KVServiceError):
+    """The caller is known but may not do this (another tenant's namespace, a file the
+    server will not open for it). The message never says what exists."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class Unauthenticated(KVServiceError):
+    """No valid credentials: a missing, unknown or expired token (gRPC status only)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
 class Unimplemented(KVServiceError):
     code = grpc.StatusCode.UNIMPLEMENTED
     reason = "UNIMPLEMENTED"
@@ -432,10 +447,34 @@ _CATALOGUE: tuple[Reason, ...] = (
         "too many passed fds are waiting for their Map (per process or in all)",
     ),
     _reason(
+        "TENANT_QUOTA_EXCEEDED",
+        CapacityExhausted,
+        "the caller's tenant is at one of its quotas (metadata: quota, used, limit): "
+        "mappings, in-flight transfers or passed fds",
+    ),
+    _reason(
         "FD_SOCKET_BUSY",
         CapacityExhausted,
         "the fd socket serves as many unfinished connections as it takes; retry",
         retryable=True,
+    ),
+    _reason(
+        "PERMISSION_DENIED",
+        PermissionDenied,
+        "the caller's tenant may not do this (e.g. a namespace it is not granted)",
+    ),
+    _reason(
+        "REGION_NOT_TRUSTED",
+        PermissionDenied,
+        "a shared-memory file is not one the server opens by name: more than one link, "
+        "an owner outside --shm-uids, group/world writable, or names are off",
+    ),
+    _reason(
+        "UNAUTHENTICATED",
+        Unauthenticated,
+        "the class's own reason; a server refuses credentials with the gRPC status "
+        "UNAUTHENTICATED (TRANSPORT_UNAUTHENTICATED): nothing ran",
+        client=True,
     ),
     _reason("UNIMPLEMENTED", Unimplemented, "the server does not implement this call"),
     _reason("DEADLINE_EXCEEDED", DeadlineExceeded, "the call's deadline passed"),

@@ -185,6 +185,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.auth_failures = Counter(
+            "kvsvc_auth_failures",
+            "calls refused UNAUTHENTICATED, by why (missing, unknown, expired, malformed, "
+            "certificate-unlisted); every one is counted, the log is rate-bounded",
+            ["reason"],
+            registry=r,
+        )
         self.transfer_bytes = Counter(
             "kvsvc_transfer_bytes",
             "bytes copied, by direction (store, retrieve)",
@@ -280,6 +287,9 @@ class Metrics:
             self._children[key] = pair
         pair[0].inc()
         pair[1].observe(seconds)
+
+    def observe_auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(nbytes)

@@ -96,7 +96,9 @@ class SyncSession:
     """For the blocking client: a queue feeds grpc's request iterator, a reader
     thread routes answers, a timer thread ends requests at their deadlines."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(
+        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Plan[Any], Callable[[Any, BaseException | None], None]]] = {}
@@ -111,7 +113,7 @@ class SyncSession:
             _registered_method=True,
         )
         self._opened = threading.Event()
-        self._call = stream(self._requests())
+        self._call = stream(self._requests(), metadata=metadata)
         self._opened.set()
         threading.Thread(target=self._read, name="kvsvc-session-read", daemon=True).start()
         threading.Thread(target=self._expire, name="kvsvc-session-timer", daemon=True).start()
@@ -200,7 +202,9 @@ class SyncSession:
 class AsyncSession:
     """For the asyncio client: everything on the loop; a timer per request."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Plan[Any], asyncio.Future[Any], asyncio.TimerHandle]] = {}
@@ -212,7 +216,7 @@ class AsyncSession:
             response_deserializer=pb.SessionResponse.FromString,
             _registered_method=True,
         )
-        self._call = stream(self._requests())
+        self._call = stream(self._requests(), metadata=metadata)
         self._reader = self._loop.create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.SessionRequest]:

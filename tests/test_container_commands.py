@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvsvc.config import ServerConfig, env_name, parse_server_config
+from kvsvc.config import ServerConfig, check_security, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
 from kvsvc.healthprobe import SERVING, probe
 
@@ -318,6 +318,7 @@ def test_image_and_compose_agree_with_the_server():
     assert IMAGE.user and IMAGE.user.split(":")[0] not in ("0", "root"), IMAGE.user
 
     config = config_from_env(env)
+    check_security(config)  # else `kvsvc serve` refuses to start in the container
     listen_host, listen_port = host_port(config.listen)
     assert listen_host == "0.0.0.0", "the container must listen on all its interfaces"
     assert config.metrics_port > 0, "metrics must be on in the image"
@@ -379,6 +380,7 @@ def pod_env(container: dict, docs: dict[str, list[dict]]) -> dict[str, str]:
 def check_server_container(container: dict, pod: dict, config: ServerConfig) -> None:
     """What every kvsvc server container must be: probes on its port, memory for
     its store, locked down."""
+    check_security(config)  # else `kvsvc serve` refuses to start in the pod
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert host_port(config.listen) == ("0.0.0.0", ports["grpc"])  # the kubelet probes the pod IP
     assert config.metrics_port == ports["metrics"]
