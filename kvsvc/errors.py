@@ -693,7 +693,11 @@ def from_grpc_error(
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(code)
     metadata = {"grpcCode": code.name}
-    if transfer_started and code is not grpc.StatusCode.UNIMPLEMENTED:
+    # UNIMPLEMENTED and UNAUTHENTICATED are answered before any handler runs.
+    if transfer_started and code not in (
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    ):
         return TransferUnprovable(
             f"transfer outcome unknown after {code.name}: {details}",
             metadata=metadata,

@@ -82,6 +82,8 @@ def _broken(exc: BaseException) -> StreamStatus:
     if code is grpc.StatusCode.UNIMPLEMENTED:
         return StreamStatus(code, "the server has no Session RPC")
     details = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else ""
+    if code is grpc.StatusCode.UNAUTHENTICATED:  # refused before any request ran, as unary
+        return StreamStatus(code, details or "")
     what = f"{code.name}: {details}" if code is not None else repr(exc)
     return StreamStatus(grpc.StatusCode.UNAVAILABLE, f"the session stream broke ({what})")
 
