@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import signal
 import time
 from pathlib import Path
 
@@ -224,3 +225,15 @@ def test_store_many_and_retrieve_many_answer_each_request(server, client, shm_di
     out = asyncio.run(go())
     assert out[0].stored_chunks == 1
     assert isinstance(out[1], InvalidRequest) and out[1].reason == "BLOCK_OUT_OF_RANGE"
+
+
+def test_sigterm_ends_open_sessions_cleanly(spawn) -> None:
+    srv = spawn()
+    with KVCacheClient(srv.address) as c:
+        assert c.lookup([b"k"], namespace="ns") == 0  # a session is open
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(30) == 0
+        with pytest.raises(ServiceUnavailable):  # the stream ended; no server to reopen it
+            c.lookup([b"k"], namespace="ns", timeout=5)
+    log = srv.output()
+    assert "Traceback" not in log and "Exception not handled" not in log, log
