@@ -137,7 +137,6 @@ class Lease:
     def __init__(self, pid: int, uid: int) -> None:
         self.pid = pid  # as SO_PEERCRED shows it: 0 from another pid namespace
         self.uid = uid
-        self.ended_at: float | None = None
         self._ended = threading.Event()
 
     def gone(self) -> bool:
@@ -147,7 +146,6 @@ class Lease:
         """A region let go of it; the lease lives on while its connection does."""
 
     def end(self) -> None:
-        self.ended_at = time.monotonic()
         self._ended.set()
 
 
