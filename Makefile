@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test install proto check-proto lint typecheck buf pytest clients cpp languages deploy packages test-container clean
+.PHONY: serve test install proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container clean
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
@@ -57,7 +57,11 @@ buf: $(BUF)
 	@if [ -f $(BUF_BASELINE) ]; then $(BUF) breaking --against $(BUF_BASELINE) && echo "buf breaking: compatible with $(BUF_BASELINE)"; \
 	  else echo "buf breaking: no baseline yet (see README)"; fi
 
-pytest: install
+# tests/test_remote.py starts real redis-server processes (a Redis Cluster too).
+redis-server:
+	./scripts/install_redis.sh
+
+pytest: install redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clients: install

@@ -87,6 +87,18 @@ GRPC_SOCKET_NAME = "grpc.sock"
 # How long the client waits for the fd socket's answer.
 FD_EXCHANGE_TIMEOUT_S = 5.0
 
+# --- the remote tier (kvsvc.remote) ---
+REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+# Failures in a row that open the breaker; then one probe call after this long.
+REMOTE_BREAKER_FAILURES = 3
+REMOTE_BREAKER_OPEN_S = 2.0
+# Threads that read from Redis (at most this many exchanges wait on it at once;
+# beyond, a read is a miss at once) and that write to it.
+REMOTE_FETCHERS = 4
+REMOTE_WRITERS = 2
+# A writer sends up to this many bytes of queued chunks in one pipeline.
+REMOTE_WRITE_BATCH_BYTES = 64 * MiB
+
 # --- client deadlines ---
 DEFAULT_TRANSFER_DEADLINE_S = 30.0
 DEFAULT_CONTROL_DEADLINE_S = 5.0
@@ -165,6 +177,72 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _optional_path(text: str) -> str:
+    """A path, or '' for 'none' (how --help writes an unset path)."""
+    return "" if text.strip().lower() in ("", "none") else text
+
+
+def _value_size(text: str) -> int:
+    """A Redis value: room for a header, at most Redis' default proto-max-bulk-len."""
+    value = _parse_size(text)
+    if not MiB <= value <= 512 * MiB:
+        raise argparse.ArgumentTypeError(f"must be between 1M and 512M: {text!r}")
+    return value
+
+
+def _remote_url(text: str) -> str:
+    """'off' or a Redis URL; a password in it is refused (it would show in ps and logs)."""
+    if text.strip().lower() == "off":
+        return "off"
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in REMOTE_SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"expected off or {', '.join(s + '://HOST:PORT' for s in REMOTE_SCHEMES)}; "
+            f"got {redact_url(text)!r}"
+        )
+    userinfo, at, hostpart = rest.partition("@")
+    if at and ":" in userinfo:
+        raise argparse.ArgumentTypeError(
+            "the Redis password goes in --remote-password-file, not in the URL"
+        )
+    host = (hostpart if at else rest).split("/", 1)[0].split("?", 1)[0]
+    if not host:
+        raise argparse.ArgumentTypeError(f"no host in {redact_url(text)!r}")
+    return text
+
+
+def redact_url(url: str) -> str:
+    """A URL as logs may show it: any password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.partition("@")
+    if sep and at and ":" in userinfo:
+        return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"
+    return url
+
+
+def remote_password(config: ServerConfig) -> str | None:
+    """The Redis password from --remote-password-file (one line; the newline dropped)."""
+    if not config.remote_password_file:
+        return None
+    try:
+        with open(config.remote_password_file, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except OSError as exc:
+        raise ConfigError(
+            f"--remote-password-file {config.remote_password_file}: {exc.strerror}"
+        ) from None
+
+
 def _port(text: str) -> int:
     """0 (pick a free port / off) or 1-65535; grpc would wrap 99999 to 34463."""
     try:
@@ -231,6 +309,14 @@ class ServerConfig:
     metrics_port: int = 0
     log_format: str = "text"
     log_level: str = "INFO"
+    remote: str = "off"
+    remote_password_file: str = ""
+    remote_prefix: str = "kvsvc"
+    remote_timeout: float = 0.5
+    remote_lookup_budget: float = 0.005
+    remote_queue_bytes: int = 256 * MiB
+    remote_ttl: int = 0
+    remote_value_bytes: int = 64 * MiB
 
 
 _HELP = {
@@ -257,6 +343,17 @@ _HELP = {
     "metrics_port": "Prometheus metrics HTTP port (0 = off)",
     "log_format": "'text' or 'json' (one JSON object per line, with request ids)",
     "log_level": "logging level: DEBUG, INFO, WARNING or ERROR",
+    "remote": "shared remote tier: redis://[USER@]HOST:PORT[/DB], rediss:// (TLS), "
+    "redis+cluster:// or rediss+cluster:// (Redis Cluster, any node), or 'off'; "
+    "best-effort: a Redis failure is a miss",
+    "remote_password_file": "file holding the Redis password (never on the command line)",
+    "remote_prefix": "first part of every Redis key kvsvc writes",
+    "remote_timeout": "seconds each Redis connect/read/write may take (no retries)",
+    "remote_lookup_budget": "seconds a Lookup may wait for Redis beyond the local store",
+    "remote_queue_bytes": "bytes of stored chunks waiting to be written to Redis "
+    "(at most a quarter of the store); beyond, writes are dropped and counted",
+    "remote_ttl": "seconds Redis keeps a value (0 = no expiry)",
+    "remote_value_bytes": "largest Redis value; larger chunks are split into parts",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {
     "listen": _listen_address,
@@ -270,6 +367,13 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "metrics_port": _port,
     "log_format": _choice("text", "json"),
     "log_level": _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "remote": _remote_url,
+    "remote_password_file": _optional_path,
+    "remote_timeout": _positive_float,
+    "remote_lookup_budget": _positive_float,
+    "remote_queue_bytes": _parse_size,
+    "remote_ttl": _non_negative_int,
+    "remote_value_bytes": _value_size,
 }
 
 
@@ -281,8 +385,10 @@ def show_value(field_name: str, value: object) -> str:
     """A setting as README's table and ``--help`` write it (1G, 10, off)."""
     if isinstance(value, bool):
         return "on" if value else "off"
-    if field_name == "store_bytes" and isinstance(value, int):
+    if field_name.endswith("_bytes") and isinstance(value, int):
         return format_size(value)
+    if value == "":
+        return "none"
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
@@ -382,6 +488,8 @@ def check_host(config: ServerConfig) -> None:
         parent = d if os.path.isdir(d) else os.path.dirname(os.path.abspath(d))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
             raise ConfigError(f"--socket-dir {d}: {parent} is not a writable directory")
+    if config.remote_password_file and config.remote != "off":
+        remote_password(config)  # readable, or a ConfigError naming the flag
     if config.fd_socket not in ("auto", "off"):
         parent = os.path.dirname(os.path.abspath(config.fd_socket))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):

@@ -65,6 +65,8 @@ class Server:
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
+            if self.servicer.remote is not None:
+                self.servicer.remote.close()
             raise ConfigError(
                 f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}: "
                 "grpc could not bind it "
@@ -145,6 +147,8 @@ class Server:
         engine.shutdown()
         if self.servicer.fds is not None:
             self.servicer.fds.close()
+        if self.servicer.remote is not None:
+            self.servicer.remote.close()  # queued writes are dropped, counted
 
 
 async def serve(config: ServerConfig) -> int:

@@ -9,7 +9,7 @@ no other kvsvc module, and a test can drive them with plain objects."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sized
+from collections.abc import Callable, Collection, Iterator, Mapping, Sized
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -20,6 +20,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -83,6 +84,77 @@ class FdStats(Protocol):
     def __len__(self) -> int: ...
 
 
+class RemoteStats(Protocol):
+    """What the remote-tier metrics read (kvsvc.remote.RemoteTier has these)."""
+
+    hits: int
+    misses: int
+    bytes_read: int
+    bytes_written: int
+    writes: int
+    dropped_writes: int
+    queued_bytes: int
+
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+    @property
+    def rejected(self) -> Mapping[str, int]: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def breaker_state(self) -> int: ...
+
+
+class _RemoteCollector:
+    """Remote-tier counters and gauges, read from the tier when scraped."""
+
+    def __init__(self, remote: RemoteStats) -> None:
+        self.remote = remote
+
+    def collect(self) -> Iterator[Any]:
+        r = self.remote
+        for name, doc, value in (
+            ("kvsvc_remote_hits", "chunks fetched from Redis into the store", r.hits),
+            ("kvsvc_remote_misses", "chunks Retrieve asked Redis for and did not get", r.misses),
+            ("kvsvc_remote_read_bytes", "bytes fetched from Redis", r.bytes_read),
+            ("kvsvc_remote_written_bytes", "bytes written to Redis", r.bytes_written),
+            ("kvsvc_remote_writes", "chunks written to Redis", r.writes),
+            (
+                "kvsvc_remote_dropped_writes",
+                "chunks never written to Redis (queue full, Redis failing, breaker open)",
+                r.dropped_writes,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, table in (
+            (
+                "kvsvc_remote_errors",
+                "Redis exchanges that failed or were skipped, by kind",
+                r.errors,
+            ),
+            (
+                "kvsvc_remote_rejected_values",
+                "Redis values refused (never loaded), by why: header, layout, checksum, part",
+                r.rejected,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["kind"])
+            for kind, n in sorted(dict(table).items()):
+                family.add_metric([kind], n)
+            yield family
+        yield GaugeMetricFamily(
+            "kvsvc_remote_queue_depth", "chunks waiting to be written to Redis", r.queue_depth
+        )
+        yield GaugeMetricFamily(
+            "kvsvc_remote_queue_bytes", "bytes waiting to be written to Redis", r.queued_bytes
+        )
+        yield GaugeMetricFamily(
+            "kvsvc_remote_breaker_state",
+            "the Redis circuit breaker: 0 closed, 1 open, 2 half-open (one probe)",
+            r.breaker_state,
+        )
+
+
 class Metrics:
     """One registry per server, so several servers can live in one test process.
 
@@ -97,6 +169,7 @@ class Metrics:
         transfers: Callable[[], Collection[Lease]],
         mappings: Sized,
         fds: FdStats | None,
+        remote: RemoteStats | None = None,
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -184,6 +257,8 @@ class Metrics:
             lambda: time.time() - health.failure_time if health.failure_time else -1.0,
         )
 
+        if remote is not None:
+            r.register(_RemoteCollector(remote))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def observe_request(self, rpc: str, outcome: str, seconds: float) -> None:

@@ -12,7 +12,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from time import monotonic
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from kvsvc.layout import rank_label, rank_metadata
 from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import Mapping, RankMapping, open_rank
+from kvsvc.remote import RemoteTier
 from kvsvc.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -104,6 +105,8 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             if transfer:
                 self.health.check_serving()
             result = (await fn(self, request, call)) if is_async else fn(self, request, call)
+            if not is_async and inspect.iscoroutine(result):
+                result = await result  # a plain handler that has to wait this time
             # A handler may build its whole response (cheaper than copying a result in).
             return result if type(result) is response_cls else response_cls(result=result)
 
@@ -156,8 +159,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         self.device = "cuda" if cuda else "cpu"
         self.store = ChunkStore(config.store_bytes, pin_memory=cuda)
-        self.engine = TransferEngine(config.transfer_threads)
         self.loop = asyncio.get_running_loop()
+        #: the shared tier behind the store (None: --remote off); checks its credentials
+        self.remote = RemoteTier(config, self.store, self.loop) if config.remote != "off" else None
+        if self.remote is not None:
+            self.remote.start()
+        self.engine = TransferEngine(config.transfer_threads)
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._mapping_seq = 0
@@ -171,6 +178,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             transfers=lambda: self.engine.inflight.values(),
             mappings=self.mappings,
             fds=self.fds,
+            remote=self.remote,
         )
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
@@ -467,8 +475,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             digests: list[list[int]] = [[0] * len(segments(c.size)) for c, _ in todo]
             for ci, si, digest in (d for group in results for d in group):
                 digests[ci][si] = digest
-            for (chunk, _), chunk_digests in zip(todo, digests, strict=True):
-                stored += self.store.commit(chunk, chunk_digests)
+            committed = [
+                chunk
+                for (chunk, _), chunk_digests in zip(todo, digests, strict=True)
+                if self.store.commit(chunk, chunk_digests)
+            ]
+            stored += len(committed)
+            if self.remote is not None and committed:
+                self.remote.write_behind(namespace, layout, committed)
 
         if todo:
             pieces = [
@@ -520,7 +534,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     @rpc(pb.RetrieveResponse, transfer=True)
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
         namespace, layout, mapping_id, sides = self._sides(request, "target")
-        chunks = self.store.acquire_prefix(namespace, [k for k, _ in sides], layout)
+        keys = [k for k, _ in sides]
+        chunks = self.store.acquire_prefix(namespace, keys, layout)
+        if self.remote is not None and len(chunks) < len(keys):
+            # Keys missing here come from Redis into the store first (a miss if not).
+            loaded = await self.remote.fetch(
+                namespace, layout, keys[len(chunks) :], reply_budget(call.deadline) / 2
+            )
+            if loaded:
+                self.store.release(chunks)
+                chunks = self.store.acquire_prefix(namespace, keys, layout)
         try:
             for ci, chunk in enumerate(chunks):
                 sides[ci][1].check(chunk.size, ci)
@@ -556,17 +579,41 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
 
     @rpc(pb.LookupResponse)
-    def Lookup(self, request: pb.LookupRequest, call: Call) -> pb.LookupResponse:
+    def Lookup(
+        self, request: pb.LookupRequest, call: Call
+    ) -> pb.LookupResponse | Coroutine[Any, Any, pb.LookupResponse]:
         scope = request.WhichOneof("scope") or self._oneof(request, "scope")
         keys = list(request.keys)
         if not all(0 < len(k) <= MAX_KEY_BYTES for k in keys):
             _check_keys(keys)  # raises for the first bad key
         if scope == "mapping_id":
             mapping = self._mapping(request.mapping_id)
-            hits = self.store.lookup(mapping.namespace, keys, mapping.fingerprint)
+            namespace, layout = mapping.namespace, mapping.fingerprint
+            hits = self.store.lookup(namespace, keys, layout)
         else:
             _check_namespace(request.namespace)
-            hits = self.store.lookup(request.namespace, keys, None)
+            # Redis is asked about inline chunks only: its keys name one layout.
+            namespace, layout = request.namespace, INLINE_LAYOUT
+            hits = self.store.lookup(namespace, keys, None)
+        if self.remote is not None and hits < len(keys):
+            return self._lookup_remote(namespace, layout, keys, hits)
+        return self._lookup_response(hits)
+
+    async def _lookup_remote(
+        self, namespace: str, layout: str, keys: list[bytes], hits: int
+    ) -> pb.LookupResponse:
+        """The local prefix, continued by the keys here or in Redis (within the budget)."""
+        assert self.remote is not None
+        rest = keys[hits:]
+        remote = await self.remote.present(namespace, layout, rest)
+        local = None if layout == INLINE_LAYOUT else layout  # as the local Lookup counts
+        for i, key in enumerate(rest):
+            if not ((i < len(remote) and remote[i]) or self.store.lookup(namespace, [key], local)):
+                break
+            hits += 1
+        return self._lookup_response(hits)
+
+    def _lookup_response(self, hits: int) -> pb.LookupResponse:
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits

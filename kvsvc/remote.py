@@ -1,0 +1,650 @@
+"""The remote tier: chunks shared across nodes through Redis / Valkey (standalone
+or Redis Cluster), behind the local store and best-effort by design.
+
+- Writes are write-behind: a committed chunk is read-pinned and queued (bounded
+  in bytes; a full queue drops the write and counts it, so a Store's reply never
+  waits for Redis); writer threads send it and unpin it on the event loop.
+- Reads are one pipelined round trip per request for the keys missing locally
+  (EXISTS for Lookup within its budget, GET for Retrieve within the call's
+  deadline); verified values are copied into the local store like a Store would
+  reserve and commit them, so the copy into the engine's blocks is the usual one.
+- Redis is never part of the contract: every call has socket timeouts and no
+  retries, a circuit breaker stops calling a Redis that keeps failing and lets
+  one probe through after a pause, and a failure is a miss and a counter —
+  never an error, a hang or a health change.
+- A value is self-describing: a header (magic, format version, layout
+  fingerprint, the Redis key's hash, length, parts, one checksum per store
+  segment) before the bytes. A value whose header or checksum does not match is
+  a miss, counted, and never loaded. Values above ``--remote-value-bytes`` are
+  split into parts under ``KEY:1``, ``KEY:2``, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.exceptions as rx
+import xxhash
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from kvsvc.config import (
+    REMOTE_BREAKER_FAILURES,
+    REMOTE_BREAKER_OPEN_S,
+    REMOTE_FETCHERS,
+    REMOTE_WRITE_BATCH_BYTES,
+    REMOTE_WRITERS,
+    ConfigError,
+    ServerConfig,
+    redact_url,
+    remote_password,
+)
+from kvsvc.copies import checksum, segments
+from kvsvc.errors import CapacityExhausted, _BoundedLog
+from kvsvc.store import Chunk, ChunkStore
+
+log = logging.getLogger("kvsvc.remote")
+_warn = _BoundedLog(log, 10.0)
+
+MAGIC = b"KVR"
+FORMAT_VERSION = 1
+# magic, version, fingerprint length, parts, key hash, data length, segments
+_HEAD = struct.Struct("<3sBHHQQI")
+
+# Error kinds (the label of kvsvc_remote_errors).
+TIMEOUT, CONNECTION, AUTH, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
+    "timeout",
+    "connection",
+    "auth",
+    "response",
+    "breaker_open",
+    "busy",
+    "other",
+)
+# Why a value was refused (the label of kvsvc_remote_rejected_values).
+BAD_HEADER, OTHER_LAYOUT, BAD_CHECKSUM, MISSING_PART = (
+    "header",
+    "layout",
+    "checksum",
+    "part",
+)
+CLOSED, OPEN, HALF_OPEN = 0, 1, 2
+
+
+def error_kind(exc: BaseException) -> str:
+    if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
+        return AUTH
+    if isinstance(exc, rx.TimeoutError | TimeoutError):
+        return TIMEOUT
+    if isinstance(exc, rx.ConnectionError | rx.ClusterError | rx.RedisClusterException | OSError):
+        return CONNECTION
+    if isinstance(exc, rx.ResponseError):
+        text = str(exc)
+        return AUTH if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) else RESPONSE
+    return OTHER
+
+
+# --- values ---
+def redis_key(prefix: str, namespace: str, layout: str, key: bytes) -> bytes:
+    """Namespaced, binary-safe, and without '{': no accidental Redis Cluster hash tag
+    pins every key to one shard (hex spreads them over all)."""
+    return b"%s:%s:%s:%s" % (
+        prefix.encode(),
+        namespace.encode().hex().encode(),
+        layout.encode(),
+        key.hex().encode(),
+    )
+
+
+def encode(
+    rkey: bytes, layout: str, data: memoryview, digests: Sequence[int], part_bytes: int
+) -> list[tuple[bytes, Any]]:
+    """(Redis key, value) pairs of one chunk: header + first part, then the rest."""
+    fp = layout.encode()
+    n = len(data)
+    first = max(0, part_bytes - _HEAD.size - len(fp) - 8 * len(digests))
+    if first <= 0:
+        raise ValueError("--remote-value-bytes is too small for the header")
+    rest = [data[lo : lo + part_bytes] for lo in range(first, n, part_bytes)]
+    head = _HEAD.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        len(fp),
+        1 + len(rest),
+        xxhash.xxh3_64_intdigest(rkey),
+        n,
+        len(digests),
+    )
+    value = b"".join((head, fp, struct.pack(f"<{len(digests)}Q", *digests), data[:first]))
+    return [(rkey, value)] + [(rkey + b":%d" % (i + 1), part) for i, part in enumerate(rest)]
+
+
+@dataclass
+class Value:
+    """A verified chunk from Redis: its bytes and the store's per-segment checksums."""
+
+    parts: list[memoryview]
+    size: int
+    digests: list[int]
+
+
+class Rejected(Exception):
+    """A value that is not this chunk: a miss of the given kind, never loaded."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+def parse_head(rkey: bytes, layout: str, raw: bytes) -> tuple[int, list[int], memoryview, int]:
+    """(parts, digests, first part's data, total length) of a value's first key."""
+    if len(raw) < _HEAD.size:
+        raise Rejected(BAD_HEADER)
+    magic, version, fp_len, parts, key_hash, n, nseg = _HEAD.unpack_from(raw)
+    if magic != MAGIC or version != FORMAT_VERSION or parts < 1:
+        raise Rejected(BAD_HEADER)
+    pos = _HEAD.size
+    if raw[pos : pos + fp_len] != layout.encode():
+        raise Rejected(OTHER_LAYOUT)
+    if key_hash != xxhash.xxh3_64_intdigest(rkey) or nseg != len(segments(n)):
+        raise Rejected(BAD_HEADER)
+    pos += fp_len
+    if len(raw) < pos + 8 * nseg:
+        raise Rejected(BAD_HEADER)
+    digests = list(struct.unpack_from(f"<{nseg}Q", raw, pos))
+    return parts, digests, memoryview(raw)[pos + 8 * nseg :], n
+
+
+def load_into(dst: memoryview, parts: list[memoryview], digests: list[int]) -> None:
+    """Copy a value's parts into ``dst`` one store segment at a time, hashing each
+    segment right after its copy (still in cache: one pass over the bytes, as the
+    copy path does); Rejected at the first mismatch (``dst`` is then garbage)."""
+    if sum(len(p) for p in parts) != len(dst):
+        raise Rejected(BAD_HEADER)
+    pi, off = 0, 0  # where in the parts the next byte comes from
+    for (lo, hi), digest in zip(segments(len(dst)), digests, strict=True):
+        pos = lo
+        while pos < hi:
+            part = parts[pi]
+            take = min(hi - pos, len(part) - off)
+            dst[pos : pos + take] = part[off : off + take]
+            pos += take
+            off += take
+            if off == len(part):
+                pi, off = pi + 1, 0
+        if checksum(dst[lo:hi]) != digest:
+            raise Rejected(BAD_CHECKSUM)
+
+
+# --- the breaker ---
+class Breaker:
+    """Closed → open after REMOTE_BREAKER_FAILURES failures in a row; open → one probe
+    call after REMOTE_BREAKER_OPEN_S; the probe's outcome closes or reopens it."""
+
+    def __init__(self, failures: int, open_s: float) -> None:
+        self.failures = failures
+        self.open_s = open_s
+        self.state = CLOSED
+        self._fails = 0
+        self._opened = 0.0
+        self._probing = False
+        self._lock = threading.Lock()
+        self.opened_total = 0
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.state == CLOSED:
+                return True
+            if self.state == OPEN and time.monotonic() - self._opened >= self.open_s:
+                self.state = HALF_OPEN
+            if self.state == HALF_OPEN and not self._probing:
+                self._probing = True
+                return True
+            return False
+
+    def blocked(self) -> bool:
+        """Whether a call now would be refused (without taking the probe's turn)."""
+        with self._lock:
+            if self.state == CLOSED:
+                return False
+            if self.state == OPEN:
+                return time.monotonic() - self._opened < self.open_s
+            return self._probing
+
+    def success(self) -> None:
+        with self._lock:
+            if self.state != CLOSED:
+                log.warning("remote tier: Redis answers again; breaker closed")
+            self.state, self._fails, self._probing = CLOSED, 0, False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._fails += 1
+            self._probing = False
+            if self.state == HALF_OPEN or (self.state == CLOSED and self._fails >= self.failures):
+                if self.state == CLOSED:
+                    log.warning(
+                        "remote tier: %d Redis failures in a row; breaker open, probing "
+                        "every %g s (remote reads are misses, writes are dropped)",
+                        self._fails,
+                        self.open_s,
+                    )
+                    self.opened_total += 1
+                self.state = OPEN
+                self._opened = time.monotonic()
+
+
+@dataclass
+class _Write:
+    namespace: str
+    key: bytes
+    layout: str
+    chunk: Chunk
+
+
+class RemoteTier:
+    """One per server. Public counters are read by kvsvc.metrics (RemoteStats)."""
+
+    def __init__(
+        self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.url = config.remote
+        self.where = redact_url(config.remote)
+        self.prefix = config.remote_prefix
+        self.timeout = config.remote_timeout
+        self.lookup_budget = config.remote_lookup_budget
+        self.ttl = config.remote_ttl
+        self.part_bytes = config.remote_value_bytes
+        self.store = store
+        self.loop = loop
+        # Pinned chunks block eviction: at most a quarter of the store waits for Redis.
+        self.queue_limit = min(config.remote_queue_bytes, store.capacity // 4)
+        self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
+        self.cluster = "+cluster" in config.remote.split("://", 1)[0]
+        self._password = remote_password(config)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
+        self._stats_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.writes = 0
+        self.dropped_writes = 0
+        self.errors: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.queued_bytes = 0
+        self._queue: queue.Queue[_Write | None] = queue.Queue()
+        self._queued_lock = threading.Lock()
+        self._fetching = 0
+        self._fetchers = concurrent.futures.ThreadPoolExecutor(
+            REMOTE_FETCHERS, thread_name_prefix="kvsvc-remote-read"
+        )
+        self._writers = [
+            threading.Thread(target=self._write_loop, name=f"kvsvc-remote-write-{i}", daemon=True)
+            for i in range(REMOTE_WRITERS)
+        ]
+        self._closed = False
+
+    # --- life ---
+    def start(self) -> None:
+        """Check the credentials once: refused ones are a ConfigError (they will not
+        heal by themselves); an unreachable Redis is only a warning (the breaker
+        and the misses handle it until it answers)."""
+        try:
+            self._redis().ping()
+            self.breaker.success()
+            log.info("remote tier: Redis at %s answers", self.where)
+        except Exception as exc:  # noqa: BLE001 - any failure here is judged below
+            if error_kind(exc) == AUTH:
+                raise ConfigError(
+                    f"--remote {self.where}: Redis refused the credentials "
+                    f"(--remote-password-file, the URL's user name): {exc}"
+                ) from None
+            log.warning(
+                "remote tier: Redis at %s does not answer at start-up (%s: %s); serving "
+                "from the local store, remote reads are misses until it answers",
+                self.where,
+                type(exc).__name__,
+                exc,
+            )
+            self._count_error(exc)
+        for t in self._writers:
+            t.start()
+
+    def close(self) -> None:
+        """Stop the writers (queued writes are dropped and counted) and the readers."""
+        self._closed = True
+        for _ in self._writers:
+            self._queue.put(None)
+        for t in self._writers:
+            t.join(self.timeout * 4 + 1)
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            if self._client is not None:
+                self._client.close()
+
+    def _redis(self) -> Any:
+        """The client, made on first use (a Redis Cluster client asks the cluster
+        for its slots when made, which fails while the cluster is down)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self) -> Any:
+        scheme, rest = self.url.split("://", 1)
+        url = scheme.replace("+cluster", "") + "://" + rest
+        common: dict[str, Any] = {
+            "password": self._password,
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            "health_check_interval": 0,
+        }
+        no_retry = Retry(NoBackoff(), 0)
+        if self.cluster:
+            return RedisCluster.from_url(url, retry=no_retry, **common)
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
+            timeout=self.timeout,
+            retry=no_retry,
+            **common,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run one Redis exchange under the breaker; raise only _Skipped."""
+        if self._closed or not self.breaker.allow():
+            self._count(self.errors, BREAKER_OPEN)
+            raise _Skipped(BREAKER_OPEN)
+        try:
+            result = fn(self._redis())
+        except Exception as exc:  # a Redis failure is a miss, counted
+            self._count_error(exc)
+            if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
+                with self._client_lock:  # it may hold a stale slot table: make a new one
+                    stale, self._client = self._client, None
+                if stale is not None:
+                    with contextlib.suppress(Exception):
+                        stale.close()
+            self.breaker.failure()
+            _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+            raise _Skipped(error_kind(exc)) from exc
+        self.breaker.success()
+        return result
+
+    def _count_error(self, exc: BaseException) -> None:
+        self._count(self.errors, error_kind(exc))
+
+    def _count(self, table: dict[str, int], kind: str) -> None:
+        with self._stats_lock:
+            table[kind] = table.get(kind, 0) + 1
+
+    def _add(self, **counts: int) -> None:
+        """Add to counters that several threads update (metrics and tests read them)."""
+        with self._stats_lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    # --- writes ---
+    def write_behind(self, namespace: str, layout: str, chunks: list[Chunk]) -> None:
+        """On the loop, after a Store committed ``chunks``: pin and queue each, or
+        drop and count it when the queue is full. Never waits."""
+        for chunk in chunks:
+            with self._queued_lock:
+                take = not self._closed and self.queued_bytes + chunk.size <= self.queue_limit
+                if take:
+                    self.queued_bytes += chunk.size
+            if not take:
+                self._add(dropped_writes=1)
+                continue
+            chunk.readers += 1  # the store frees nothing a writer still reads
+            self._queue.put(_Write(namespace, chunk.key[1], layout, chunk))
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            size = batch[0].chunk.size if batch[0] is not None else 0
+            while batch[-1] is not None and size < REMOTE_WRITE_BATCH_BYTES:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+                size += item.chunk.size if item is not None else 0
+            writes = [w for w in batch if w is not None]
+            try:
+                self._write(writes)
+            finally:
+                with self._queued_lock:
+                    self.queued_bytes -= sum(w.chunk.size for w in writes)
+                self._unpin([w.chunk for w in writes])
+            if len(writes) < len(batch):
+                return
+
+    def _write(self, writes: list[_Write]) -> None:
+        if self._closed:
+            self._add(dropped_writes=len(writes))
+            return
+        pairs: list[tuple[bytes, Any]] = []
+        for w in writes:
+            buf = self.store.buffer(w.chunk)
+            rkey = redis_key(self.prefix, w.namespace, w.layout, w.key)
+            pairs += encode(rkey, w.layout, buf.view, w.chunk.digests, self.part_bytes)
+
+        def send(r: Any) -> None:
+            pipe = r.pipeline(transaction=False)
+            for k, v in pairs:
+                pipe.set(k, v, ex=self.ttl or None)
+            pipe.execute()
+
+        try:
+            self._call(send)
+        except _Skipped:
+            self._add(dropped_writes=len(writes))
+            return
+        self._add(writes=len(writes), bytes_written=sum(w.chunk.size for w in writes))
+
+    def _unpin(self, chunks: list[Chunk]) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the store goes with it
+            self.loop.call_soon_threadsafe(self.store.release, chunks)
+
+    # --- reads ---
+    def _submit(self, fn: Callable[[Any], Any]) -> asyncio.Future[Any] | None:
+        """Run an exchange on a reader thread; None (busy, counted) when every reader
+        is still waiting on Redis, so a stuck Redis never queues up requests."""
+        if self.breaker.blocked():  # no thread for a call that would be refused
+            self._count(self.errors, BREAKER_OPEN)
+            return None
+        if self._fetching >= REMOTE_FETCHERS:
+            self._count(self.errors, BUSY)
+            return None
+
+        def run() -> Any:
+            try:
+                return self._call(fn)
+            finally:
+                self.loop.call_soon_threadsafe(self._done_fetching)
+
+        self._fetching += 1
+        try:
+            return asyncio.wrap_future(self._fetchers.submit(run), loop=self.loop)
+        except RuntimeError:  # shut down
+            self._fetching -= 1
+            return None
+
+    def _done_fetching(self) -> None:
+        self._fetching -= 1
+
+    async def _exchange(self, fn: Callable[[Any], Any], budget: float) -> Any:
+        """The result of one exchange, or None: skipped, failed or over budget (the
+        thread then ends at its socket timeout; its result is dropped)."""
+        fut = self._submit(fn)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(budget, 0.0))
+        except asyncio.TimeoutError:
+            self._count(self.errors, "budget")
+            fut.add_done_callback(_consume)
+            return None
+        except _Skipped:
+            return None
+
+    async def present(self, namespace: str, layout: str, keys: list[bytes]) -> list[bool]:
+        """Whether Redis holds each of ``keys`` (Lookup; values are verified when
+        Retrieve fetches them); [] when it cannot say within the budget. One
+        pipelined EXISTS round trip."""
+        rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
+
+        def exists(r: Any) -> list[int]:
+            pipe = r.pipeline(transaction=False)
+            for k in rkeys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        found = await self._exchange(exists, self.lookup_budget)
+        return [] if found is None else [bool(f) for f in found]
+
+    async def fetch(self, namespace: str, layout: str, keys: list[bytes], budget: float) -> int:
+        """Bring ``keys`` missing from the local store, verified, from Redis into it up
+        to the first miss (reserved as a Store reserves; a refused reservation is a
+        miss). Returns how many were loaded. One pipelined GET round trip (and one
+        more for the parts of values split above --remote-value-bytes)."""
+        keys = [k for k in keys if self.store.get(namespace, k, layout) is None]
+        if not keys:
+            return 0
+        started = time.monotonic()
+        rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
+        values = await self._exchange(lambda r: self._get_values(r, rkeys, layout), budget)
+        if not values:
+            self.misses += len(keys)
+            return 0
+        # Chunks another call committed meanwhile are kept: only the rest is loaded.
+        todo = [
+            i
+            for i, k in enumerate(keys[: len(values)])
+            if self.store.get(namespace, k, layout) is None
+        ]
+        good = len(values)
+        if todo:
+            try:
+                chunks, _ = self.store.reserve(
+                    namespace, [(keys[i], values[i].size) for i in todo], layout
+                )
+            except CapacityExhausted as exc:  # no room now: a miss
+                self._count(self.errors, "capacity")
+                _warn.warning("remote tier: no room in the local store for fetched chunks: %s", exc)
+                self.misses += len(keys)
+                return 0
+            pairs = [(c, values[i]) for c, i in zip(chunks, todo, strict=True)]
+            # Not on the reader threads: they may all be waiting on a slow Redis.
+            copy = self.loop.run_in_executor(None, self._copy_in, pairs)
+
+            def finish(f: asyncio.Future[list[bool]]) -> None:
+                # On the loop, even if the caller has gone: commit or free every chunk.
+                done = f.result() if not f.cancelled() and f.exception() is None else []
+                for j, (chunk, value) in enumerate(pairs):
+                    if j < len(done) and done[j]:
+                        self.store.commit(chunk, value.digests)
+                    else:
+                        self.store.abort(chunk)
+
+            copy.add_done_callback(finish)
+            try:
+                loaded = await asyncio.shield(copy)
+            except Exception as exc:  # a failed copy-in is a miss
+                log.error("remote tier: copying fetched chunks in failed", exc_info=exc)
+                self.misses += len(keys)
+                return 0
+            if not all(loaded):  # the prefix ends at the first value that did not verify
+                good = todo[loaded.index(False)]
+        self.misses += len(keys) - good
+        self.hits += good
+        self.bytes_read += sum(v.size for v in values[:good])
+        log.debug(
+            "remote tier: %d chunks fetched in %.1f ms", good, 1e3 * (time.monotonic() - started)
+        )
+        return good
+
+    def _copy_in(self, pairs: list[tuple[Chunk, Value]]) -> list[bool]:
+        """Copy and verify each fetched value into its reserved chunk: whether it matched."""
+        out = []
+        for chunk, value in pairs:
+            try:
+                load_into(self.store.buffer(chunk).view, value.parts, value.digests)
+                out.append(True)
+            except Rejected as exc:
+                self._count(self.rejected, exc.kind)
+                out.append(False)
+        return out
+
+    def _get_values(self, r: Any, rkeys: list[bytes], layout: str) -> list[Value]:
+        """On a reader thread: GET the first key of each value (pipelined), then the
+        parts of split ones; return the leading values whose header matches and whose
+        parts are all there (their checksums are checked as they are copied in)."""
+        pipe = r.pipeline(transaction=False)
+        for k in rkeys:
+            pipe.get(k)
+        raws = pipe.execute()
+        heads: list[tuple[int, list[int], memoryview, int]] = []
+        for rkey, raw in zip(rkeys, raws, strict=True):
+            if raw is None:
+                break
+            try:
+                heads.append(parse_head(rkey, layout, raw))
+            except Rejected as exc:
+                self._count(self.rejected, exc.kind)
+                break
+        extra = [(i, p) for i, h in enumerate(heads) for p in range(1, h[0])]
+        more: dict[tuple[int, int], Any] = {}
+        if extra:
+            pipe = r.pipeline(transaction=False)
+            for i, p in extra:
+                pipe.get(rkeys[i] + b":%d" % p)
+            more = dict(zip(extra, pipe.execute(), strict=True))
+        out: list[Value] = []
+        for i, (nparts, digests, first, n) in enumerate(heads):
+            parts = [first] + [more[(i, p)] for p in range(1, nparts)]
+            if any(p is None for p in parts):
+                self._count(self.rejected, MISSING_PART)
+                break
+            views = [memoryview(p) for p in parts]
+            if sum(len(v) for v in views) != n:
+                self._count(self.rejected, BAD_HEADER)
+                break
+            out.append(Value(views, n, digests))
+        return out
+
+    # --- what metrics read ---
+    @property
+    def breaker_state(self) -> int:
+        return self.breaker.state
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+
+class _Skipped(Exception):
+    """A Redis exchange that did not happen or failed (already counted)."""
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """Read a dropped exchange's outcome so asyncio does not log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()

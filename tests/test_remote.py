@@ -1,0 +1,438 @@
+"""The shared remote tier against real redis-server processes: two kvsvc servers
+("nodes", separate shm dirs) and one Redis or a three-node Redis Cluster; Redis
+killed, restarted, frozen (SIGSTOP); values corrupted or from another layout;
+credentials refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from conftest import SERVING, ServerThread, health_status, make_cache
+from prometheus_client import generate_latest
+from redis_servers import RedisCluster, RedisServer, free_port, require_redis
+
+from kvsvc.client import KVCacheClient
+from kvsvc.config import ServerConfig
+from kvsvc.kvcache import SharedKVCache
+from kvsvc.remote import CLOSED, OPEN, RemoteTier, redis_key
+
+pytestmark = pytest.mark.slow  # starts redis-server and kvsvc servers
+
+# Lookups in these tests may wait this long for Redis: a loaded CI host can take
+# far more than the default few ms, and what is checked is the answer.
+GENEROUS_BUDGET_S = 5.0
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    require_redis()
+    r = RedisServer(tmp_path / "redis")
+    yield r
+    r.kill()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator:
+    """make(name, remote=URL, **config): a kvsvc server with its own shm dir."""
+    started: list[ServerThread] = []
+
+    def make(name: str, remote: str, **changes: object) -> tuple[ServerThread, Path]:
+        shm = tmp_path / f"shm-{name}"
+        shm.mkdir()
+        config = ServerConfig(
+            listen="127.0.0.1:0",
+            store_bytes=64 << 20,
+            shm_dir=str(shm),
+            remote=remote,
+            remote_lookup_budget=GENEROUS_BUDGET_S,
+        )
+        st = ServerThread(replace(config, **changes))
+        started.append(st)
+        return st, shm
+
+    yield make
+    for st in started:
+        st.stop()
+
+
+def tier(st: ServerThread) -> RemoteTier:
+    remote = st.server.servicer.remote
+    assert remote is not None
+    return remote
+
+
+def wait_for(what: str, cond, limit: float = 30.0) -> None:
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, f"not within {limit} s: {what}"
+        time.sleep(0.02)
+
+
+def blocks(cache: SharedKVCache, ids: list[int]) -> list[torch.Tensor]:
+    return [
+        layer.index_select(cache.block_dim, torch.tensor(ids)).clone() for layer in cache.layers
+    ]
+
+
+def chunk_list(n: int) -> list[tuple[bytes, list[int]]]:
+    """n chunks of 1 block each over a 12-block cache (block i % 12)."""
+    return [(b"chunk-%03d" % i, [i % 12]) for i in range(n)]
+
+
+# --- two nodes, one Redis -------------------------------------------------------
+def test_two_nodes_share_chunks_through_one_redis(node, redis_server) -> None:
+    a, shm_a = node("a", redis_server.url)
+    b, shm_b = node("b", redis_server.url)
+    src = make_cache(shm_a, "src", seed=1)
+    dst = make_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        assert ma.layout_fingerprint == mb.layout_fingerprint
+        chunks = [(b"k1", [0, 1, 2]), (b"k2", [7, 3]), (b"k3", [11])]
+        assert ca.store(ma, chunks).stored_chunks == 3
+        ca.put("docs", [(b"inline-1", b"hello from node a")])
+        wait_for("node a wrote 4 chunks to Redis", lambda: tier(a).writes == 4)
+
+        # Node B has nothing locally: Lookup finds the chunks in Redis, and the
+        # prefix stops at the first key neither tier holds.
+        assert cb.server_info().stored_chunks == 0
+        assert cb.lookup([b"k1", b"k2", b"k3", b"nope", b"k1"], mapping=mb) == 3
+        r = cb.retrieve(mb, [(b"k1", [4, 5, 6]), (b"k2", [8, 9]), (b"k3", [10]), (b"nope", [0])])
+        assert r.loaded_chunks == 3
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(
+                blocks(src, [0, 1, 2, 7, 3, 11]), blocks(dst, [4, 5, 6, 8, 9, 10]), strict=True
+            )
+        )
+        assert tier(b).hits == 3 and tier(b).misses == 1
+        # They are local on B now: a second Retrieve does not ask Redis.
+        assert cb.server_info().stored_chunks == 3
+        assert cb.get("docs", b"inline-1") == b"hello from node a"
+        assert cb.lookup([b"inline-1"], namespace="docs") == 1
+        assert tier(b).hits == 4
+        assert health_status(b.address) == SERVING
+
+        text = generate_latest(b.server.servicer.metrics.registry).decode()
+        assert "kvsvc_remote_hits_total 4.0" in text
+        assert "kvsvc_remote_breaker_state 0.0" in text
+
+
+def test_namespaces_and_layouts_never_collide(node, redis_server) -> None:
+    a, shm_a = node("a", redis_server.url)
+    b, shm_b = node("b", redis_server.url)
+    src = make_cache(shm_a, "src", seed=2)
+    other = make_cache(shm_b, "other", dtype=torch.float16)  # another layout
+    same = make_cache(shm_b, "same")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ca.store(ca.map("llama", [src.rank_region()]), [(b"k", [0])])
+        wait_for("written", lambda: tier(a).writes == 1)
+        assert cb.lookup([b"k"], mapping=cb.map("llama", [other.rank_region()])) == 0
+        assert cb.lookup([b"k"], mapping=cb.map("mistral", [same.rank_region()])) == 0
+        assert cb.lookup([b"k"], mapping=cb.map("llama", [same.rank_region()])) == 1
+
+
+# --- Redis Cluster --------------------------------------------------------------
+def test_cluster_round_trip_spreads_keys_over_all_shards(node, tmp_path) -> None:
+    require_redis()
+    cluster = RedisCluster(tmp_path / "cluster")
+    try:
+        # 1 MiB values: the 3 MiB inline chunk below is split into parts.
+        a, shm_a = node("a", cluster.url, remote_value_bytes=1 << 20)
+        b, shm_b = node("b", cluster.url, remote_value_bytes=1 << 20)
+        src = make_cache(shm_a, "src", seed=3)
+        dst = make_cache(shm_b, "dst")
+        big = torch.randint(
+            0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4)
+        )
+        with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+            ma = ca.map("llama", [src.rank_region()])
+            mb = cb.map("llama", [dst.rank_region()])
+            chunks = chunk_list(24)
+            assert ca.store(ma, chunks).stored_chunks == 24
+            ca.put("docs", [(b"big", big.numpy().tobytes())])
+            wait_for("25 chunks written", lambda: tier(a).writes == 25)
+            sizes = [int(n.cli("dbsize").strip()) for n in cluster.nodes]
+            assert all(s > 0 for s in sizes), f"keys per shard: {sizes}"
+            assert sum(sizes) == 24 + 4  # the big chunk is 4 values: header part + 3
+
+            assert cb.lookup([k for k, _ in chunks], mapping=mb) == 24
+            # 12 target blocks: retrieve the first 12 chunks into blocks 11..0.
+            r = cb.retrieve(mb, [(k, [11 - i]) for i, (k, _) in enumerate(chunks[:12])])
+            assert r.loaded_chunks == 12
+            assert all(
+                torch.equal(x, y)
+                for x, y in zip(
+                    blocks(src, list(range(12))), blocks(dst, list(range(11, -1, -1))), strict=True
+                )
+            )
+            assert cb.get("docs", b"big") == big.numpy().tobytes()
+            assert tier(b).rejected == {} and tier(b).errors == {}
+    finally:
+        cluster.kill()
+
+
+# --- Redis down, frozen, back ---------------------------------------------------
+def test_redis_killed_then_restarted(node, redis_server) -> None:
+    a, shm_a = node("a", redis_server.url, remote_timeout=0.5)
+    b, shm_b = node("b", redis_server.url, remote_timeout=0.5)
+    src = make_cache(shm_a, "src", seed=5)
+    dst = make_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        ca.store(ma, [(b"before", [0])])
+        wait_for("written", lambda: tier(a).writes == 1)
+        cb.retrieve(mb, [(b"before", [0])])  # now local on B too
+        port = redis_server.port
+        redis_server.kill()
+
+        # Answers from the local tier, within deadlines far below a hang.
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert cb.lookup([b"before", b"after"], mapping=mb, timeout=10) == 1
+            assert cb.retrieve(mb, [(b"before", [1]), (b"x", [2])], timeout=10).loaded_chunks == 1
+            assert time.monotonic() - t0 < 8
+        # Writes are dropped and counted; Stores still answer.
+        for i in range(4):
+            assert ca.store(ma, [(b"dead-%d" % i, [i + 1])], timeout=10).stored_chunks == 1
+        wait_for("dropped writes counted", lambda: tier(a).dropped_writes >= 4)
+        assert tier(a).errors.get("connection", 0) >= 1
+        assert tier(b).errors.get("connection", 0) + tier(b).errors.get("breaker_open", 0) >= 1
+        assert health_status(a.address) == SERVING and health_status(b.address) == SERVING
+
+        # Back on the same port: the tier resumes by itself (the breaker probes).
+        redis_server.start(port)
+        i = 0
+
+        def stored_after_restart() -> bool:
+            nonlocal i
+            i += 1
+            ca.store(ma, [(b"after-%d" % i, [i % 12])])
+            time.sleep(0.1)
+            return tier(a).writes >= 2
+
+        wait_for("a write reached the restarted Redis", stored_after_restart)
+        wait_for("breaker closed", lambda: tier(a).breaker.state == CLOSED)
+        key = b"after-%d" % i
+        wait_for(
+            "B reads the new chunk",
+            lambda: cb.retrieve(mb, [(key, [5])]).loaded_chunks == 1,
+        )
+
+
+def test_redis_that_never_answers_is_bounded_and_opens_the_breaker(node, redis_server) -> None:
+    a, shm_a = node("a", redis_server.url, remote_timeout=0.3, remote_lookup_budget=0.2)
+    src = make_cache(shm_a, "src", seed=6)
+    with KVCacheClient(a.address) as ca:
+        ma = ca.map("llama", [src.rank_region()])
+        ca.store(ma, [(b"local", [0])])
+        wait_for("written", lambda: tier(a).writes == 1)
+        redis_server.stop_process()  # accepts connections, never answers
+        try:
+            for i in range(6):
+                t0 = time.monotonic()
+                # Lookup: its budget; Retrieve: the socket timeout, never the deadline.
+                assert ca.lookup([b"local", b"missing-%d" % i], mapping=ma, timeout=10) == 1
+                r = ca.retrieve(ma, [(b"local", [1]), (b"missing-%d" % i, [2])], timeout=10)
+                assert r.loaded_chunks == 1
+                assert time.monotonic() - t0 < 8
+                stored = ca.store(ma, [(b"frozen-%d" % i, [3 + i])], timeout=10)
+                assert stored.stored_chunks == 1
+            wait_for("breaker open", lambda: tier(a).breaker.state == OPEN)
+            errors = tier(a).errors
+            assert errors.get("timeout", 0) + errors.get("budget", 0) >= 1
+            # Open: no call reaches Redis, so a Retrieve does not even wait the timeout.
+            t0 = time.monotonic()
+            assert ca.retrieve(ma, [(b"missing-x", [2])], timeout=10).loaded_chunks == 0
+            assert tier(a).errors.get("breaker_open", 0) >= 1
+            assert health_status(a.address) == SERVING
+            text = generate_latest(a.server.servicer.metrics.registry).decode()
+            assert "kvsvc_remote_breaker_state 1.0" in text
+        finally:
+            redis_server.continue_process()
+        # Answering again: the next probe closes the breaker.
+        wait_for(
+            "breaker closed after SIGCONT",
+            lambda: ca.lookup([b"probe"], mapping=ma) >= 0 and tier(a).breaker.state == CLOSED,
+        )
+
+
+def test_full_write_queue_drops_and_counts_never_blocks(node, redis_server) -> None:
+    # A queue smaller than one chunk: every write-behind is dropped at once.
+    a, shm_a = node("a", redis_server.url, remote_queue_bytes=1024)
+    src = make_cache(shm_a, "src", seed=7)
+    with KVCacheClient(a.address) as ca:
+        ma = ca.map("llama", [src.rank_region()])
+        assert ca.store(ma, chunk_list(5)).stored_chunks == 5
+        assert tier(a).dropped_writes == 5 and tier(a).writes == 0
+        assert redis_server.cli("dbsize").strip() == "0"
+        text = generate_latest(a.server.servicer.metrics.registry).decode()
+        assert "kvsvc_remote_dropped_writes_total 5.0" in text
+
+
+# --- values that are not the chunk ----------------------------------------------
+def test_corrupted_and_foreign_values_are_misses_never_loaded(node, redis_server, tmp_path) -> None:
+    a, shm_a = node("a", redis_server.url)
+    b, shm_b = node("b", redis_server.url)
+    src = make_cache(shm_a, "src", seed=8)
+    other = make_cache(shm_a, "other", dtype=torch.float16, seed=9)
+    dst = make_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mo = ca.map("llama", [other.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        ca.store(ma, [(b"good", [0]), (b"bitflip", [1]), (b"garbage", [2])])
+        ca.store(mo, [(b"foreign", [3])])
+        wait_for("written", lambda: tier(a).writes == 4)
+
+        def rkey(key: bytes, fp: str) -> bytes:
+            return redis_key("kvsvc", "llama", fp, key)
+
+        raw = redis.Redis(port=redis_server.port)
+        try:
+            # One data byte flipped, written back with redis-cli.
+            value = bytearray(raw.get(rkey(b"bitflip", ma.layout_fingerprint)) or b"")
+            value[-10] ^= 0xFF
+            (tmp_path / "v").write_bytes(bytes(value))
+            redis_server.cli(
+                "-x", "set", rkey(b"bitflip", ma.layout_fingerprint).decode(), stdin=bytes(value)
+            )
+            redis_server.cli(
+                "set", rkey(b"garbage", ma.layout_fingerprint).decode(), "not a kvsvc value"
+            )
+            # A value of the float16 layout under this layout's key.
+            foreign = raw.get(rkey(b"foreign", mo.layout_fingerprint))
+            assert foreign is not None
+            raw.set(rkey(b"foreign", ma.layout_fingerprint), foreign)
+        finally:
+            raw.close()
+
+        dst_before = blocks(dst, list(range(12)))
+        for key, kind in ((b"bitflip", "checksum"), (b"garbage", "header"), (b"foreign", "layout")):
+            assert cb.retrieve(mb, [(key, [5])]).loaded_chunks == 0
+            assert tier(b).rejected.get(kind) == 1, tier(b).rejected
+        assert all(
+            torch.equal(x, y) for x, y in zip(dst_before, blocks(dst, list(range(12))), strict=True)
+        )
+        assert cb.server_info().stored_chunks == 0  # never loaded into the store
+        assert cb.retrieve(mb, [(b"good", [5])]).loaded_chunks == 1
+        assert health_status(b.address) == SERVING
+
+
+# --- credentials ----------------------------------------------------------------
+def serve(shm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kvsvc serve` that must exit by itself (it is refused at start-up)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvsvc",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--shm-dir",
+            str(shm),
+            "--store-bytes",
+            "16M",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_wrong_or_missing_password_is_one_error_at_start_up(tmp_path, node) -> None:
+    require_redis()
+    r = RedisServer(tmp_path / "redis", password="s3cret-pass")
+    try:
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-it\n")
+        for extra in (["--remote-password-file", str(wrong)], []):
+            done = serve(shm, "--remote", r.url, *extra)
+            assert done.returncode == 2, done.stderr
+            lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvsvc serve:")]
+            assert len(lines) == 1 and "Redis refused the credentials" in lines[0], done.stderr
+            assert "s3cret" not in done.stderr and "not-it" not in done.stderr
+        # A password on the command line is refused before anything starts.
+        done = serve(shm, "--remote", f"redis://user:s3cret-pass@127.0.0.1:{r.port}")
+        assert done.returncode == 2 and "--remote-password-file" in done.stderr
+        assert "s3cret" not in done.stderr
+
+        good = tmp_path / "good"
+        good.write_text("s3cret-pass\n")
+        a, _ = node("a", r.url, remote_password_file=str(good))
+        with KVCacheClient(a.address) as ca:
+            ca.put("ns", [(b"k", b"v")])
+            wait_for("written with the password", lambda: tier(a).writes == 1)
+    finally:
+        r.kill()
+
+
+def test_unreachable_redis_at_start_up_still_serves(node) -> None:
+    require_redis()
+
+    a, _shm_a = node("a", f"redis://127.0.0.1:{free_port()}", remote_timeout=0.3)
+    with KVCacheClient(a.address) as ca:
+        ca.put("ns", [(b"k", b"v")])
+        assert ca.get("ns", b"k") == b"v"
+        assert ca.lookup([b"k", b"other"], namespace="ns") == 1
+    assert health_status(a.address) == SERVING
+    assert tier(a).errors.get("connection", 0) >= 1
+
+
+def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, float | None]]:
+    """(retries, socket timeout, connect timeout) of every connection the tier's client
+    would open: the client itself, and each cluster node's pool."""
+    client = remote._redis()
+    if isinstance(client, redis.RedisCluster):
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
+        out = [(client.retry.get_retries(), None, None)]
+    else:
+        pools, out = [client.connection_pool], []
+    for pool in pools:
+        conn = pool.make_connection()
+        out.append((conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout))
+        conn.disconnect()
+    return out
+
+
+def test_every_redis_connection_has_timeouts_and_no_retries(node, redis_server, tmp_path) -> None:
+    # redis-py's default Retry turns a dead Redis into seconds per call.
+    a, _ = node("a", redis_server.url, remote_timeout=0.25)
+    assert data_path_settings(tier(a)) == [(0, 0.25, 0.25)]
+    cluster = RedisCluster(tmp_path / "cluster")
+    try:
+        c, _ = node("c", cluster.url, remote_timeout=0.25)
+        settings = data_path_settings(tier(c))
+        assert settings[0][0] == 0
+        assert settings[1:] == [(0, 0.25, 0.25)] * 3
+    finally:
+        cluster.kill()
+
+
+def test_ttl_and_prefix_are_applied_to_every_value(node, redis_server) -> None:
+    a, _ = node(
+        "a", redis_server.url, remote_ttl=300, remote_prefix="team1", remote_value_bytes=1 << 20
+    )
+    with KVCacheClient(a.address) as ca:
+        ca.put("ns", [(b"small", b"x" * 100), (b"split", b"y" * (2 << 20))])
+        wait_for("written", lambda: tier(a).writes == 2)
+    keys = redis_server.cli("--scan").split()
+    assert len(keys) == 1 + 3  # the split chunk is a header part and two more
+    assert all(k.startswith("team1:") for k in keys), keys
+    ttls = [int(redis_server.cli("ttl", k).strip()) for k in keys]
+    assert all(0 < t <= 300 for t in ttls), ttls

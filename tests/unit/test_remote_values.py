@@ -1,0 +1,150 @@
+"""The remote tier's value format, keys, breaker and settings, without a server."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+from kvsvc.config import (
+    ConfigError,
+    ServerConfig,
+    _remote_url,
+    parse_server_config,
+    redact_url,
+    remote_password,
+)
+from kvsvc.copies import checksum, segments
+from kvsvc.remote import (
+    BAD_CHECKSUM,
+    BAD_HEADER,
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    OTHER_LAYOUT,
+    Breaker,
+    Rejected,
+    encode,
+    load_into,
+    parse_head,
+    redis_key,
+)
+
+MiB = 1 << 20
+
+
+def digests_of(data: bytes) -> list[int]:
+    view = memoryview(data)
+    return [checksum(view[lo:hi]) for lo, hi in segments(len(data))]
+
+
+def decode(pairs: list[tuple[bytes, object]], layout: str) -> bytes:
+    """What a reader does with the values of one chunk."""
+    rkey, first = pairs[0]
+    parts, digests, data, n = parse_head(rkey, layout, bytes(first))  # type: ignore[arg-type]
+    assert parts == len(pairs)
+    views = [data] + [memoryview(bytes(v)) for _, v in pairs[1:]]  # type: ignore[arg-type]
+    out = bytearray(n)
+    load_into(memoryview(out), views, digests)
+    return bytes(out)
+
+
+@pytest.mark.parametrize(("size", "parts"), [(1, 1), (4096, 1), (MiB, 2), (3 * MiB + 17, 4)])
+def test_values_round_trip_whole_and_split(size: int, parts: int) -> None:
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    rkey = redis_key("kvsvc", "llama", "fp1", b"key")
+    whole = encode(rkey, "fp1", memoryview(data), digests_of(data), 64 * MiB)
+    assert len(whole) == 1
+    assert decode(whole, "fp1") == data
+    split = encode(rkey, "fp1", memoryview(data), digests_of(data), MiB)
+    assert len(split) == parts
+    assert all(len(bytes(v)) <= MiB for _, v in split)  # type: ignore[arg-type]
+    assert [k for k, _ in split[1:]] == [rkey + b":%d" % i for i in range(1, len(split))]
+    assert decode(split, "fp1") == data
+
+
+def test_a_value_is_refused_for_what_it_is() -> None:
+    data = b"kv" * 5000
+    rkey = redis_key("kvsvc", "ns", "fp1", b"k")
+    ((_, value),) = encode(rkey, "fp1", memoryview(data), digests_of(data), MiB)
+    with pytest.raises(Rejected) as ei:
+        parse_head(rkey, "fp2", value)
+    assert ei.value.kind == OTHER_LAYOUT
+    for bad in (b"", b"hello", b"XYZ" + value[3:], value[:20]):
+        with pytest.raises(Rejected) as ei:
+            parse_head(rkey, "fp1", bad)
+        assert ei.value.kind == BAD_HEADER
+    # The same value under another key (renamed, copied) is not that key's chunk.
+    with pytest.raises(Rejected) as ei:
+        parse_head(redis_key("kvsvc", "ns", "fp1", b"other"), "fp1", value)
+    assert ei.value.kind == BAD_HEADER
+    flipped = bytearray(value)
+    flipped[-1] ^= 1
+    _, digests, body, n = parse_head(rkey, "fp1", bytes(flipped))
+    with pytest.raises(Rejected) as ei:
+        load_into(memoryview(bytearray(n)), [body], digests)
+    assert ei.value.kind == BAD_CHECKSUM
+    with pytest.raises(Rejected):  # truncated
+        load_into(memoryview(bytearray(n)), [body[:-1]], digests)
+
+
+def test_keys_are_namespaced_and_free_of_cluster_hash_tags() -> None:
+    a = redis_key("kvsvc", "{tenant}", "fp", b"{k}")
+    assert b"{" not in a and b"}" not in a
+    assert (
+        len(
+            {
+                redis_key("p", ns, fp, k)
+                for ns in ("a", "b")
+                for fp in ("f", "g")
+                for k in (b"x", b"y")
+            }
+        )
+        == 8
+    )
+    assert redis_key("p", "a", "f", b"x") != redis_key("q", "a", "f", b"x")
+
+
+def test_breaker_opens_after_failures_and_lets_one_probe_through() -> None:
+    b = Breaker(failures=3, open_s=0.05)
+    for _ in range(2):
+        assert b.allow()
+        b.failure()
+    assert b.state == CLOSED
+    b.failure()
+    assert b.state == OPEN and b.blocked() and not b.allow()
+    time.sleep(0.06)
+    assert not b.blocked()  # asking does not take the probe's turn
+    assert b.allow() and b.state == HALF_OPEN and b.blocked()
+    assert not b.allow()  # one probe at a time
+    b.failure()
+    assert b.state == OPEN and not b.allow()
+    time.sleep(0.06)
+    assert b.allow()
+    b.success()
+    assert b.state == CLOSED and b.allow()
+
+
+def test_remote_settings() -> None:
+    c = parse_server_config(["--remote", "redis+cluster://10.0.0.1:7000", "--remote-ttl", "60"])
+    assert c.remote == "redis+cluster://10.0.0.1:7000" and c.remote_ttl == 60
+    assert ServerConfig().remote == "off"
+    for ok in ("off", "redis://h:6379/2", "rediss://user@h:6380", "rediss+cluster://h"):
+        assert _remote_url(ok) == ok
+    for bad in ("http://h", "redis://", "h:6379", "redis://user:pw@h:6379"):
+        with pytest.raises(argparse.ArgumentTypeError) as ei:
+            _remote_url(bad)
+        assert "pw" not in str(ei.value) or "password-file" in str(ei.value)
+    assert redact_url("redis://u:pw@h:1") == "redis://u:***@h:1"
+    with pytest.raises(SystemExit):
+        parse_server_config(["--remote-value-bytes", "100K"])
+
+
+def test_password_file(tmp_path) -> None:
+    f = tmp_path / "pw"
+    f.write_text("secret\n")
+    assert remote_password(ServerConfig(remote_password_file=str(f))) == "secret"
+    assert remote_password(ServerConfig()) is None
+    with pytest.raises(ConfigError, match="--remote-password-file"):
+        remote_password(ServerConfig(remote_password_file=str(tmp_path / "missing")))
