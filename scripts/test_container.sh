@@ -39,8 +39,8 @@ cannot_run() {
   exit 0
 }
 
-[[ -x $VENV/bin/python ]] || { echo "test-container: $VENV missing; run make install" >&2; exit 2; }
 [[ $(id -u) == 0 ]] || cannot_run "needs root (rootful podman, debootstrap)"
+[[ -x $VENV/bin/python ]] || { echo "test-container: $VENV missing; run make install" >&2; exit 2; }
 command -v apt-get >/dev/null || command -v podman >/dev/null || cannot_run "no podman and no apt-get"
 
 work=$(mktemp -d /var/tmp/kvsvc-container.XXXXXX)
