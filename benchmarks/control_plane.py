@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ from benchmarks.common import (
     stop_process,
     wait_for_address,
 )
-from benchmarks.echo_server import ECHO_METHOD
+from benchmarks.echo_server import ECHO_METHOD, ECHO_STREAM
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.config import channel_options
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -61,6 +62,8 @@ from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 NAMESPACE = "bench"
 KEYS = [b"%032d" % i for i in range(8)]  # 8 chunk keys of 32 bytes, all present
 CONCURRENCY = (1, 8, 32)
+SESSION = "kvsvc Lookup (session)"
+BIDI = "grpc bidi echo"
 DEFAULT_LMCACHE_PYTHON = "/tmp/bench-venv/bin/python"
 
 
@@ -214,13 +217,17 @@ Runner = Callable[[int, float, float], Awaitable[Measured]]
 def kvsvc_targets(address: str, transport: str) -> list[tuple[str, str, str, Runner]]:
     req = lookup_request()
 
-    async def async_client(n: int, seconds: float, warmup: float) -> Measured:
-        async with AsyncKVCacheClient(address) as c:
-            hits = await c.lookup(KEYS, namespace=NAMESPACE)
-            assert hits == len(KEYS), hits
-            return await run_async(
-                [lambda: c.lookup(KEYS, namespace=NAMESPACE)] * n, seconds, warmup
-            )
+    def async_client(session: bool) -> Runner:
+        async def run(n: int, seconds: float, warmup: float) -> Measured:
+            async with AsyncKVCacheClient(address, session=session) as c:
+                hits = await c.lookup(KEYS, namespace=NAMESPACE)
+                assert hits == len(KEYS), hits
+                assert (c._session is not None) == session
+                return await run_async(
+                    [lambda: c.lookup(KEYS, namespace=NAMESPACE)] * n, seconds, warmup
+                )
+
+        return run
 
     async def raw_stub(n: int, seconds: float, warmup: float) -> Measured:
         async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
@@ -229,20 +236,28 @@ def kvsvc_targets(address: str, transport: str) -> list[tuple[str, str, str, Run
             assert reply.result.hit_chunks == len(KEYS), reply
             return await run_async([lambda: stub.Lookup(req, timeout=5)] * n, seconds, warmup)
 
-    async def sync_client(n: int, seconds: float, warmup: float) -> Measured:
-        with KVCacheClient(address) as c:
-            assert c.lookup(KEYS, namespace=NAMESPACE) == len(KEYS)
-            return await asyncio.to_thread(
-                run_threads, lambda: lambda: c.lookup(KEYS, namespace=NAMESPACE), n, seconds,
-                warmup,
-            )  # fmt: skip
+    def sync_client(session: bool) -> Runner:
+        async def run(n: int, seconds: float, warmup: float) -> Measured:
+            with KVCacheClient(address, session=session) as c:
+                assert c.lookup(KEYS, namespace=NAMESPACE) == len(KEYS)
+                assert (c._session is not None) == session
+                return await asyncio.to_thread(
+                    run_threads, lambda: lambda: c.lookup(KEYS, namespace=NAMESPACE), n,
+                    seconds, warmup,
+                )  # fmt: skip
 
+        return run
+
+    # Unary calls (session=False) under the names earlier runs used; the Session
+    # stream (the clients' default) as its own target.
     out: list[tuple[str, str, str, Runner]] = [
-        ("kvsvc Lookup", transport, "AsyncKVCacheClient, asyncio tasks", async_client),
-        ("kvsvc Lookup", transport, "KVCacheClient (sync), threads", sync_client),
+        ("kvsvc Lookup", transport, "AsyncKVCacheClient, asyncio tasks", async_client(False)),
+        (SESSION, transport, "AsyncKVCacheClient, asyncio tasks", async_client(True)),
+        ("kvsvc Lookup", transport, "KVCacheClient (sync), threads", sync_client(False)),
+        (SESSION, transport, "KVCacheClient (sync), threads", sync_client(True)),
     ]
     if transport == "tcp":
-        out.insert(1, ("kvsvc Lookup", transport, "raw grpc.aio stub, asyncio tasks", raw_stub))
+        out.insert(2, ("kvsvc Lookup", transport, "raw grpc.aio stub, asyncio tasks", raw_stub))
     return out
 
 
@@ -265,8 +280,41 @@ def echo_targets(
                 run_threads, lambda: lambda: echo(payload, timeout=5), n, seconds, warmup
             )
 
+    async def bidi(n: int, seconds: float, warmup: float) -> Measured:
+        """One stream shared by the callers, as the Session is: replies come in order."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[bytes] = asyncio.Queue()
+        waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+        async def requests() -> AsyncIterator[bytes]:
+            while True:
+                yield await out.get()
+
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+            call = ch.stream_stream(ECHO_STREAM)(requests())
+
+            async def read() -> None:
+                async for _ in call:
+                    waiting.popleft().set_result(None)
+
+            reader = loop.create_task(read())
+
+            async def one() -> None:
+                fut = loop.create_future()
+                waiting.append(fut)
+                out.put_nowait(payload)
+                await asyncio.wait_for(fut, 5)
+
+            try:
+                await one()
+                return await run_async([one] * n, seconds, warmup)
+            finally:
+                call.cancel()
+                reader.cancel()
+
     return [
         ("grpc echo", transport, "grpc.aio channel, asyncio tasks", aio),
+        (BIDI, transport, "grpc.aio channel, asyncio tasks", bidi),
         ("grpc echo", transport, "grpc channel (sync), threads", sync),
     ]
 
@@ -435,11 +483,12 @@ def run(
         try:
             with KVCacheClient(kv.address) as c:
                 c.put(NAMESPACE, [(k, b"v" * 64) for k in KEYS])
-            k_async, *k_rest = kvsvc_targets(kv.address, "tcp")
-            e_aio, e_sync = echo_targets(echo.address, "tcp", req_bytes)
-            pids = {"kvsvc Lookup": kv.pid, "grpc echo": echo.proc.pid,
-                    "zmq + msgpack echo": zmq_echo.proc.pid}  # fmt: skip
-            measure_group([k_async, e_aio, *k_rest, e_sync, zmq_target(zmq_echo.address)], pids)
+            k_async, s_async, *k_rest = kvsvc_targets(kv.address, "tcp")
+            e_aio, e_bidi, e_sync = echo_targets(echo.address, "tcp", req_bytes)
+            pids = {"kvsvc Lookup": kv.pid, SESSION: kv.pid, "grpc echo": echo.proc.pid,
+                    BIDI: echo.proc.pid, "zmq + msgpack echo": zmq_echo.proc.pid}  # fmt: skip
+            measure_group([k_async, s_async, e_aio, e_bidi, *k_rest, e_sync,
+                           zmq_target(zmq_echo.address)], pids)  # fmt: skip
         finally:
             kv.stop()
             echo.stop()
@@ -451,10 +500,11 @@ def run(
         try:
             with KVCacheClient(kv.address) as c:
                 c.put(NAMESPACE, [(k, b"v" * 64) for k in KEYS])
-            k_async, k_sync = kvsvc_targets(kv.address, "unix")
-            e_aio, e_sync = echo_targets(echo.address, "unix", req_bytes)
-            pids = {"kvsvc Lookup": kv.pid, "grpc echo": echo.proc.pid}
-            measure_group([k_async, e_aio, k_sync, e_sync], pids)
+            k_async, s_async, k_sync, s_sync = kvsvc_targets(kv.address, "unix")
+            e_aio, e_bidi, e_sync = echo_targets(echo.address, "unix", req_bytes)
+            pids = {"kvsvc Lookup": kv.pid, SESSION: kv.pid, "grpc echo": echo.proc.pid,
+                    BIDI: echo.proc.pid}  # fmt: skip
+            measure_group([k_async, s_async, e_aio, e_bidi, k_sync, s_sync, e_sync], pids)
         finally:
             kv.stop()
             echo.stop()
@@ -504,9 +554,11 @@ def table(rs: list[dict]) -> str:
     lines = []
     for r in rs:
         ratio = ""
-        if r["target"] == "kvsvc Lookup":
+        if r["target"] in ("kvsvc Lookup", SESSION):
             kind = "grpc.aio" if "asyncio" in r["client"] else "grpc channel (sync)"
-            ref = find(rs, "grpc echo", r["transport"], kind, r["concurrency"])
+            # the session beside the bidi echo where there is one (asyncio), else unary
+            echo = BIDI if r["target"] == SESSION and "asyncio" in r["client"] else "grpc echo"
+            ref = find(rs, echo, r["transport"], kind, r["concurrency"])
             if ref:
                 ratio = f"{r['p50_ms'] / ref['p50_ms']:.2f} / {r['p99_ms'] / ref['p99_ms']:.2f}"
         cpu = "" if "server_cpu_us" not in r else (
@@ -516,7 +568,7 @@ def table(rs: list[dict]) -> str:
                       ratio, cpu))  # fmt: skip
     return md_table(
         ["target", "transport", "callers", "concurrency", "p50 ms", "p99 ms", "calls/s",
-         "p50 / p99 vs grpc echo", "CPU µs/call server / caller"], lines,
+         "p50 / p99 vs grpc echo (session: bidi echo)", "CPU µs/call server / caller"], lines,
     )  # fmt: skip
 
 

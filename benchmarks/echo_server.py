@@ -2,7 +2,8 @@
 with a reply of a fixed size and doing nothing else:
 
 * ``grpc``: a bare grpc.aio unary echo (raw bytes, no protobuf parsing) on
-  HOST:PORT or unix:PATH, with kvsvc's server options;
+  HOST:PORT or unix:PATH, with kvsvc's server options, and a bidirectional
+  stream echo beside it (one reply per request, in order);
 * ``zmq``: a ZMQ ROUTER socket whose loop unpacks each msgpack request and
   sends back a msgpack reply.
 
@@ -18,8 +19,11 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 ECHO_METHOD = "/bench.Echo/Echo"
+ECHO_STREAM = "/bench.Echo/Stream"
 
 
 async def serve_grpc(listen: str, reply: bytes) -> None:
@@ -30,8 +34,16 @@ async def serve_grpc(listen: str, reply: bytes) -> None:
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return reply
 
+    async def stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        async for _ in requests:
+            yield reply
+
     handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        "bench.Echo",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        },
     )
     server = grpc.aio.server(options=server_options())
     server.add_generic_rpc_handlers((handler,))

@@ -205,7 +205,15 @@ class Blocking(Generic[R]):
     fn: Callable[[], R]
 
 
-Step = Plan[Any] | Blocking[Any]
+@dataclass(slots=True)
+class Parallel:
+    """RPCs sent at once (pipelined on the session); the driver sends back, in the
+    same order, each one's result or its typed error."""
+
+    plans: list[Plan[Any]]
+
+
+Step = Plan[Any] | Blocking[Any] | Parallel
 #: An operation: yields steps, is sent each step's result, returns its own.
 Steps = Generator[Step, Any, R]
 
@@ -221,6 +229,7 @@ class Core:
         control_timeout: float = DEFAULT_CONTROL_DEADLINE_S,
         remap_on_restart: bool = False,
         fd_socket: str | None = None,
+        session: bool = True,
     ) -> None:
         self.transfer_timeout = validate_deadline(transfer_timeout, "transfer_timeout")
         self.control_timeout = validate_deadline(control_timeout, "control_timeout")
@@ -228,6 +237,9 @@ class Core:
         # Where this process reaches the server's fd socket, when not where the
         # server says (another container mounts the socket directory elsewhere).
         self.fd_socket = fd_socket
+        #: Lookup/Store/Retrieve/Fence over one Session stream (unary where the
+        #: server has none); False: every call unary.
+        self.use_session = session
         self.leases = Leases()
         self._fd_leases: dict[str, fdpass.FdLease] = {}
         self._fd_leases_lock = threading.Lock()
@@ -416,6 +428,31 @@ def retrieve_async(
     return _send(_transfer(c, RETRIEVE, mapping, chunks, timeout))
 
 
+def store_many(
+    c: Core,
+    mapping: MappingHandle,
+    requests: Sequence[BlockChunkList],
+    *,
+    timeout: Timeout = DEFAULT,
+) -> Steps[list[pb.StoreResult | KVServiceError]]:
+    """Several Stores at once, each with its own deadline and leases (pipelined
+    on the session): each entry is that Store's result or its typed error."""
+    plans = [_transfer(c, STORE, mapping, chunks, timeout) for chunks in requests]
+    return (yield from _parallel(plans))
+
+
+def retrieve_many(
+    c: Core,
+    mapping: MappingHandle,
+    requests: Sequence[BlockChunkList],
+    *,
+    timeout: Timeout = DEFAULT,
+) -> Steps[list[pb.RetrieveResult | KVServiceError]]:
+    """Several Retrieves at once, as ``store_many``."""
+    plans = [_transfer(c, RETRIEVE, mapping, chunks, timeout) for chunks in requests]
+    return (yield from _parallel(plans))
+
+
 def lookup(
     c: Core,
     keys: Sequence[bytes],
@@ -502,6 +539,11 @@ def _send(plan: Plan[ResT]) -> Steps[ResT]:
     """One RPC: the driver sends back its typed result or throws in its typed error."""
     result: ResT = yield plan
     return result
+
+
+def _parallel(plans: list[Plan[Any]]) -> Steps[list[Any]]:
+    results: list[Any] = yield Parallel(plans)
+    return results
 
 
 def _blocking(fn: Callable[[], R]) -> Steps[R]:

@@ -14,6 +14,7 @@ from kvsvc.config import (
     add_server_arguments,
     check_host,
     check_listen,
+    check_security,
     config_from_args,
 )
 from kvsvc.logs import setup_logging
@@ -104,6 +105,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     try:
         check_listen(config)
+        check_security(config)
     except ConfigError as exc:
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 2

@@ -17,13 +17,14 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import grpc
 
-from kvsvc import calls
+from kvsvc import calls, session
 from kvsvc.calls import (
     CALLS,
     DEFAULT,
@@ -31,18 +32,21 @@ from kvsvc.calls import (
     Blocking,
     Core,
     MappingHandle,
+    Parallel,
     Plan,
     Step,
     Steps,
     Timeout,
 )
-from kvsvc.config import channel_options
+from kvsvc.config import ClientTLS, channel_options
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
+from kvsvc.session import AsyncSession, StreamStatus, SyncSession
 
 __all__ = [
     "DEFAULT",
     "AsyncKVCacheClient",
     "BlockChunkList",
+    "ClientTLS",
     "KVCacheClient",
     "MappingHandle",
     "Timeout",
@@ -76,6 +80,10 @@ def _outcome(fn: Callable[[], Any]) -> Outcome:
         return None, exc
 
 
+def _raise(error: BaseException) -> Any:
+    raise error
+
+
 def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
     """A multicallable per RPC of the table, typed by it (what a generated stub holds)."""
     return {
@@ -87,6 +95,36 @@ def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
         )
         for call in CALLS
     }
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channel(target: str, tls: ClientTLS | None, aio: bool) -> Any:
+    """A plaintext channel, or a TLS one (mTLS with a client certificate)."""
+    options: list[tuple[str, int | str]] = [*channel_options()]
+    if tls is None:
+        return (grpc.aio if aio else grpc).insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca),
+        private_key=_read(tls.key),
+        certificate_chain=_read(tls.cert),
+    )
+    options = [*options, *tls.options()]
+    return (grpc.aio if aio else grpc).secure_channel(target, credentials, options=options)
+
+
+def _call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The bearer token every call carries (None: none). Never logged."""
+    if token is None:
+        return None
+    if not token or any(c in token for c in "\r\n "):
+        raise ValueError("token must be a non-empty string without spaces or newlines")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def _face(method: F, op: Callable[..., Any]) -> F:
@@ -143,17 +181,49 @@ def _async_task(
 
 class KVCacheClient(Core):
     """Blocking client; ``*_async`` methods return ``concurrent.futures.Future``s
-    that always complete (the deadline bounds them)."""
+    that always complete (the deadline bounds them). ``token``: the bearer token of
+    a server with --auth-token-file; ``tls``: TLS (and mTLS) settings."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=False)
         self._rpcs = _rpcs(self._channel)
+        self._session: SyncSession | None = None
+        self._session_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._session_lock:
+            self.use_session = False
+            if self._session is not None:
+                self._session.close()
         self._close_fd_leases()
         self._channel.close()
+
+    def _session_for(self, plan: Plan[Any]) -> SyncSession | None:
+        """The open session (opened again after a break), or None: unary."""
+        if not (self.use_session and session.carries(plan)):
+            return None
+        with self._session_lock:
+            s = self._session
+            if s is None or s.failure is not None:
+                s = self._session = SyncSession(self._channel, self._metadata)
+            return s
+
+    def _unsupported(self, error: BaseException | None) -> bool:
+        """The server has no Session RPC: this client goes unary from now on."""
+        if isinstance(error, StreamStatus) and error.code() is grpc.StatusCode.UNIMPLEMENTED:
+            self.use_session = False
+            return True
+        return False
 
     def __enter__(self) -> KVCacheClient:
         return self
@@ -168,6 +238,8 @@ class KVCacheClient(Core):
     retrieve = _sync(calls.retrieve)
     store_async = _sync_future(calls.store_async)
     retrieve_async = _sync_future(calls.retrieve_async)
+    store_many = _sync(calls.store_many)
+    retrieve_many = _sync(calls.retrieve_many)
     lookup = _sync(calls.lookup)
     fence = _sync(calls.fence)
     server_info = _sync(calls.server_info)
@@ -186,17 +258,53 @@ class KVCacheClient(Core):
     def _do(self, step: Step) -> Any:
         if isinstance(step, Blocking):
             return step.fn()
+        if isinstance(step, Parallel):
+            futures = [self._future(calls._send(plan)) for plan in step.plans]
+            return [self._settled(f, plan) for f, plan in zip(futures, step.plans, strict=True)]
         return self._call(step)
 
     def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = self._send(plan)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except ValueError as exc:  # "Cannot invoke RPC on closed channel!"
             raise self._local_error(plan, exc) from exc
         return self._after(plan, response)
+
+    def _send(self, plan: Plan[Any]) -> Any:
+        s = self._session_for(plan)
+        if s is not None:
+            answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            s.send(plan, lambda r, e: answer.set_exception(e) if e else answer.set_result(r))
+            try:
+                # The session ends every request by its deadline; this bound is a backstop.
+                return answer.result(plan.timeout + 10)
+            except concurrent.futures.TimeoutError:
+                raise session.StreamStatus(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer from the session"
+                ) from None
+            except grpc.RpcError as exc:
+                if not self._unsupported(exc):
+                    raise
+        return self._rpcs[plan.call.method](
+            plan.request, timeout=plan.timeout, metadata=self._metadata
+        )
+
+    def _settled(self, f: concurrent.futures.Future[Any], plan: Plan[Any]) -> Any:
+        """A call's result, or its typed error as a value; anything else raises."""
+        try:
+            # Each call ends by its deadline (gRPC's or the session's); this is a backstop.
+            exc = f.exception(plan.timeout + 10)
+        except concurrent.futures.TimeoutError:
+            status = session.StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+            return self._transport_error(plan, status)
+        if exc is None:
+            return f.result()
+        if isinstance(exc, KVServiceError):
+            return exc
+        raise exc
 
     def _future(self, steps: Steps[R]) -> concurrent.futures.Future[R]:
         out: concurrent.futures.Future[R] = concurrent.futures.Future()
@@ -218,21 +326,14 @@ class KVCacheClient(Core):
                 return
             if isinstance(step, Plan):
                 break
-            outcome = _outcome(step.fn)  # blocking work runs here; no *_async method has any
+            # blocking work runs here; no *_async method has any
+            outcome = _outcome(functools.partial(self._do, step))
         plan = step
         self._before(plan)
-        try:
-            call = self._rpcs[plan.call.method].future(plan.request, timeout=plan.timeout)
-        except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
-            self._advance(out, steps, (None, self._transport_error(plan, exc)))
-            return
-        except ValueError as exc:  # closed channel
-            self._advance(out, steps, (None, self._local_error(plan, exc)))
-            return
 
-        def done(f: grpc.Future) -> None:
+        def done(result: Callable[[], Any]) -> None:
             try:
-                outcome: Outcome = (self._after(plan, f.result()), None)
+                outcome: Outcome = (self._after(plan, result()), None)
             except grpc.RpcError as exc:
                 err = self._transport_error(plan, exc)
                 err.__cause__ = exc
@@ -244,21 +345,80 @@ class KVCacheClient(Core):
                 return
             self._advance(out, steps, outcome)
 
-        call.add_done_callback(done)
+        def unary() -> None:
+            try:
+                call = self._rpcs[plan.call.method].future(
+                    plan.request, timeout=plan.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
+                self._advance(out, steps, (None, self._transport_error(plan, exc)))
+                return
+            except ValueError as exc:  # closed channel
+                self._advance(out, steps, (None, self._local_error(plan, exc)))
+                return
+            call.add_done_callback(lambda f: done(f.result))
+
+        def answered(response: Any, error: BaseException | None) -> None:
+            if error is None:
+                done(lambda: response)
+            elif self._unsupported(error):
+                unary()
+            else:
+                done(functools.partial(_raise, error))
+
+        s = self._session_for(plan)
+        if s is not None:
+            s.send(plan, answered)
+        else:
+            unary()
 
 
 class AsyncKVCacheClient(Core):
-    """asyncio client with the same methods; create it inside the running loop."""
+    """asyncio client with the same methods; create it inside the running loop.
+    ``token`` and ``tls`` as for :class:`KVCacheClient`."""
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._metadata = _call_metadata(token)
+        self._channel = _channel(target, tls, aio=True)
         self._rpcs = _rpcs(self._channel)
+        self._session: AsyncSession | None = None
 
     async def close(self) -> None:
+        self.use_session = False
+        if self._session is not None:
+            await self._session.close()
         self._close_fd_leases()
         await self._channel.close()
+
+    def _session_for(self, plan: Plan[Any]) -> AsyncSession | None:
+        """The open session (opened again after a break), or None: unary."""
+        if not (self.use_session and session.carries(plan)):
+            return None
+        if self._session is None or self._session.failure is not None:
+            self._session = AsyncSession(self._channel, self._metadata)
+        return self._session
+
+    async def _send(self, plan: Plan[Any]) -> Any:
+        s = self._session_for(plan)
+        if s is not None:
+            try:
+                return await s.request(plan)
+            except StreamStatus as exc:
+                if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self.use_session = False  # the server has no Session RPC: unary from now on
+        return await self._rpcs[plan.call.method](
+            plan.request, timeout=plan.timeout, metadata=self._metadata
+        )
 
     async def __aenter__(self) -> AsyncKVCacheClient:
         return self
@@ -273,6 +433,8 @@ class AsyncKVCacheClient(Core):
     retrieve = _async(calls.retrieve)
     store_async = _async_task(calls.store_async)
     retrieve_async = _async_task(calls.retrieve_async)
+    store_many = _async(calls.store_many)
+    retrieve_many = _async(calls.retrieve_many)
     lookup = _async(calls.lookup)
     fence = _async(calls.fence)
     server_info = _async(calls.server_info)
@@ -294,12 +456,20 @@ class AsyncKVCacheClient(Core):
     async def _do(self, step: Step) -> Any:
         if isinstance(step, Blocking):
             return await asyncio.to_thread(step.fn)
+        if isinstance(step, Parallel):
+            out = await asyncio.gather(
+                *(self._run(calls._send(plan)) for plan in step.plans), return_exceptions=True
+            )
+            for item in out:  # typed errors are results here; anything else is raised
+                if isinstance(item, BaseException) and not isinstance(item, KVServiceError):
+                    raise item
+            return out
         return await self._call(step)
 
     async def _call(self, plan: Plan[R]) -> R:
         self._before(plan)
         try:
-            response = await self._rpcs[plan.call.method](plan.request, timeout=plan.timeout)
+            response = await self._send(plan)
         except grpc.RpcError as exc:
             raise self._transport_error(plan, exc) from exc
         except grpc.aio.UsageError as exc:  # closed channel

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import math
 import os
+import pwd
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -55,6 +57,30 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.so_reuseport", 0),
     ]
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """A client's TLS settings (PEM file paths). ``ca``: the CA that signed the
+    server's certificate (None: the system's roots); ``cert``/``key``: the client's
+    own certificate for mTLS; ``server_name``: the name to verify when it differs
+    from the target's host."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("ClientTLS: cert and key go together")
+
+    def options(self) -> list[tuple[str, str]]:
+        return (
+            []
+            if self.server_name is None
+            else [("grpc.ssl_target_name_override", self.server_name)]
+        )
 
 
 # --- sealed memfd passing (kvsvc.fdpass) ---
@@ -202,7 +228,7 @@ def _value_size(text: str) -> int:
 
 def _remote_url(text: str) -> str:
     """'off' or a Redis URL; a password in it is refused (it would show in ps and logs)."""
-    if text.strip().lower() == "off":
+    if text.strip().lower() in ("", "off"):  # empty: a variable set to nothing
         return "off"
     scheme, sep, rest = text.partition("://")
     if not sep or scheme not in REMOTE_SCHEMES:
@@ -271,6 +297,11 @@ def _listen_address(text: str) -> str:
     return text
 
 
+def _off(text: str) -> bool:
+    """An optional setting left off: empty, or 'off'."""
+    return text.strip().lower() in ("", "off")
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def convert(text: str) -> str:
         for choice in choices:
@@ -317,6 +348,18 @@ class ServerConfig:
     remote_queue_bytes: int = 256 * MiB
     remote_ttl: int = 0
     remote_value_bytes: int = 64 * MiB
+    shm_uids: str = "self"
+    auth_token_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    allow_insecure: bool = False
+    health_listen: str = ""
+
+    @property
+    def authenticated(self) -> bool:
+        """Calls on the main port must carry credentials (a token or a client cert)."""
+        return bool(self.auth_token_file or self.tls_client_ca)
 
 
 _HELP = {
@@ -354,6 +397,22 @@ _HELP = {
     "(at most a quarter of the store); beyond, writes are dropped and counted",
     "remote_ttl": "seconds Redis keeps a value (0 = no expiry)",
     "remote_value_bytes": "largest Redis value; larger chunks are split into parts",
+    "shm_uids": "whose files under the shm dir the server maps by name, with its own "
+    "rights: comma-separated uids or user names ('self' = the server's uid), or 'off' "
+    "(memfd passing only, where the client hands over an fd it opened itself). Every "
+    "client that can call Map is trusted with every listed uid's regular, single-link, "
+    "owner-writable files there",
+    "auth_token_file": "JSON tenant file: each tenant's bearer tokens (or their SHA-256), client "
+    "certificate names, namespaces and quotas; every call must then carry a token "
+    "(or a listed client certificate). Re-read on SIGHUP. Off: one default tenant",
+    "tls_cert": "PEM certificate chain: serve TLS on --listen (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates it signed (mTLS); a "
+    "certificate's name picks its tenant in the tenant file",
+    "allow_insecure": "allow plaintext without authentication on an address other than "
+    "loopback or a unix socket (anyone who reaches it can read every cached prompt)",
+    "health_listen": "HOST:PORT of a plaintext listener serving only grpc.health.v1, for "
+    "probes that cannot present credentials (empty: off)",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {
     "listen": _listen_address,
@@ -374,7 +433,34 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "remote_queue_bytes": _parse_size,
     "remote_ttl": _non_negative_int,
     "remote_value_bytes": _value_size,
+    "shm_uids": lambda text: (shm_owner_uids(text), text.strip())[1],
+    "allow_insecure": _env_bool,
+    "health_listen": lambda text: "" if _off(text) else _listen_address(text),
+    "auth_token_file": lambda text: "" if _off(text) else text,
+    "tls_cert": lambda text: "" if _off(text) else text,
+    "tls_key": lambda text: "" if _off(text) else text,
+    "tls_client_ca": lambda text: "" if _off(text) else text,
 }
+
+
+def shm_owner_uids(setting: str) -> frozenset[int] | None:
+    """The uids of --shm-uids (None: 'off', nothing is mapped by name)."""
+    if setting.strip().lower() == "off":
+        return None
+    uids: set[int] = set()
+    for item in (part.strip() for part in setting.split(",")):
+        if item == "self":
+            uids.add(os.geteuid())
+        elif item.isdigit():
+            uids.add(int(item))
+        else:
+            try:
+                uids.add(pwd.getpwnam(item).pw_uid)
+            except KeyError:
+                raise argparse.ArgumentTypeError(
+                    f"--shm-uids: {item!r} is neither a uid, a user name, 'self' nor 'off'"
+                ) from None
+    return frozenset(uids)
 
 
 def env_name(field_name: str) -> str:
@@ -387,8 +473,6 @@ def show_value(field_name: str, value: object) -> str:
         return "on" if value else "off"
     if field_name.endswith("_bytes") and isinstance(value, int):
         return format_size(value)
-    if value == "":
-        return "none"
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
@@ -510,6 +594,44 @@ def check_host(config: ServerConfig) -> None:
             )
 
 
+def check_security(config: ServerConfig) -> None:
+    """Secure by default: plaintext without authentication only where nobody else
+    can connect (loopback, a unix socket); TLS files must come in working pairs."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together: give both or neither")
+    if config.tls_client_ca and not config.tls_cert:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS first)")
+    for flag, path in (
+        ("--tls-cert", config.tls_cert),
+        ("--tls-key", config.tls_key),
+        ("--tls-client-ca", config.tls_client_ca),
+        ("--auth-token-file", config.auth_token_file),
+    ):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{flag} {path}: not a readable file")
+    if config.tls_cert or config.auth_token_file or config.allow_insecure:
+        return
+    if not is_local_address(config.listen):
+        raise ConfigError(
+            f"refusing to serve plaintext without authentication on {config.listen}: "
+            "give --tls-cert/--tls-key and/or --auth-token-file, listen on loopback or "
+            "unix:PATH, or pass --allow-insecure"
+        )
+
+
+def is_local_address(listen: str) -> bool:
+    """Whether only this host can connect: a unix socket, or a host that resolves to
+    loopback addresses only (a wildcard such as 0.0.0.0 or [::] is not)."""
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
 def check_shm_dir(path: str, flag: str) -> None:
     if not os.path.isdir(path):
         what = "not a directory" if os.path.exists(path) else "no such directory"
@@ -530,6 +652,11 @@ def check_listen(config: ServerConfig) -> None:
         _check_bindable(config.listen, host, int(port))
     if config.metrics_port:
         _check_bindable(f"{host}:{config.metrics_port} (--metrics-port)", host, config.metrics_port)
+    if config.health_listen and not config.health_listen.startswith("unix:"):
+        h_host, _, h_port = config.health_listen.rpartition(":")
+        _check_bindable(
+            f"{config.health_listen} (--health-listen)", h_host.strip("[]"), int(h_port)
+        )
 
 
 def _check_bindable(what: str, host: str, port: int) -> None:
@@ -555,3 +682,52 @@ def _check_bindable(what: str, host: str, port: int) -> None:
     if not bound:
         reason = first_error.strerror if first_error else "no address"
         raise ConfigError(f"cannot listen on {what}: {reason}")
+
+
+# --- the vLLM connector (kvsvc.integrations.vllm) ---
+@dataclass(frozen=True)
+class VllmConnectorConfig:
+    """The connector's settings: ``kv_connector_extra_config`` keys, else
+    ``KVSVC_VLLM_<KEY>`` environment variables, else these defaults."""
+
+    target: str = "127.0.0.1:50051"
+    # A tenant prefix; the deployment fingerprint is appended to it.
+    namespace: str = "vllm"
+    # The scheduler waits at most this long per request for a Lookup; then a miss.
+    lookup_timeout_s: float = 0.05
+    load_timeout_s: float = 10.0
+    store_timeout_s: float = 10.0
+    fence_timeout_s: float = 10.0
+    # After a failure, kvsvc counts as down (0 hits, stores skipped) this long,
+    # then the connector reconnects on a fresh channel.
+    reconnect_interval_s: float = 2.0
+    blocks_per_chunk: int = 1
+    log_level: str = "INFO"
+
+    @classmethod
+    def parse(
+        cls, extra: dict[str, Any] | None, env: dict[str, str] | None = None
+    ) -> VllmConnectorConfig:
+        """Validate ``extra`` (unknown keys are an error, so a typo is not ignored)."""
+        env = dict(os.environ) if env is None else env
+        extra = dict(extra or {})
+        names = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(names)}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in names.items():
+            raw = extra.get(name, env.get(f"KVSVC_VLLM_{name.upper()}"))
+            if raw is None:
+                continue
+            if name.endswith("_s"):
+                values[name] = validate_deadline(float(raw) if isinstance(raw, str) else raw, name)
+            elif f.type in ("int", int):
+                if isinstance(raw, bool) or int(raw) < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {raw!r}")
+                values[name] = int(raw)
+            else:
+                values[name] = str(raw)
+        return cls(**values)

@@ -11,16 +11,22 @@ everything after that is the same for both.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import crc32c
+import numpy as np
 import torch
-import xxhash
 
 from kvsvc import failpoints
 from kvsvc.errors import DataLoss, LayoutMismatch
-from kvsvc.regions import CudaRegion, HostRegion, Mapping, ShmRegion
+from kvsvc.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
+
+log = logging.getLogger(__name__)
 
 #: Checksums cover 1 MiB segments of a chunk, so the pieces of one chunk can be
 #: copied (and hashed while in cache) by several threads at once.
@@ -28,8 +34,16 @@ SEGMENT_BYTES = 1 << 20
 #: Below this a copy runs as one task: a hand-off between threads costs more
 #: than the parallel copy saves.
 PARALLEL_MIN_BYTES = 4 << 20
+#: What a chunk's checksums are. Format 1 was xxh3-64 per segment; format 2 is
+#: CRC-32C per segment, which the native copy loop computes in the same GIL-free
+#: call as the copy (the CPU's crc32 instruction needs no header beyond the
+#: compiler's), and the ``crc32c`` package computes identically without it.
+STORE_FORMAT = 2
+CHECKSUM_ALGORITHM = "crc32c"
+#: Copy plans kept per mapping (by block ids); an engine reuses its block ids.
+PLAN_CACHE_SIZE = 4096
 
-Digest = tuple[int, int, int]  # (chunk index, segment index, xxh3)
+Digest = tuple[int, int, int]  # (chunk index, segment index, CRC-32C)
 Piece = Callable[[], list[Digest]]
 
 
@@ -38,8 +52,71 @@ def segments(size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
 
 
-def checksum(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
+def checksum(view: memoryview | bytes) -> int:
+    """CRC-32C of a segment (the package drops the GIL for large buffers)."""
+    return int(crc32c.crc32c(view))
+
+
+class NativeCopy:
+    """The compiled copy loop (``kvsvc/native/copyloop.c``, built by ``make``): one
+    call copies a run of segments between an engine's sealed memfd and a chunk and
+    checksums each, with the GIL released for the whole call (ctypes drops it), so
+    a copy thread takes the GIL once per task instead of twice per segment."""
+
+    PATH = Path(__file__).with_name("native") / "libkvsvc_copy.so"
+
+    def __init__(self, path: Path = PATH) -> None:
+        lib = ctypes.CDLL(str(path))
+        u32, vp, size = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t
+        lib.kvsvc_crc32c_init.restype = ctypes.c_int
+        self.hardware = bool(lib.kvsvc_crc32c_init())
+        for name in ("kvsvc_crc32c", "kvsvc_crc32c_tables"):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = u32, [u32, vp, size]
+        self.crc32c, self.crc32c_tables = lib.kvsvc_crc32c, lib.kvsvc_crc32c_tables
+        fn = lib.kvsvc_copy_segments
+        fn.restype = ctypes.c_long
+        fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+        fn.argtypes += [ctypes.c_int, vp, ctypes.POINTER(u32)]
+        self._copy = fn
+
+    def copy(
+        self,
+        runs: np.ndarray,
+        addr: int,
+        lo: int,
+        hi: int,
+        digests: ctypes.Array,
+        *,
+        to_store: bool,
+    ) -> tuple[int, int]:
+        """Copy chunk bytes [lo, hi) (``lo`` on a segment boundary) between the
+        engine (``runs``: rows of engine address, chunk offset, length) and the
+        chunk at ``addr``. A Store writes each segment's checksum into ``digests``;
+        a Retrieve checks each against ``digests`` before copying it out and stops
+        at the first mismatch. Returns (-1, 0), or (failed segment from lo, its CRC)."""
+        got = ctypes.c_uint32()
+        failed = self._copy(
+            runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
+            ctypes.addressof(digests), ctypes.byref(got),
+        )  # fmt: skip
+        return failed, got.value
+
+
+def load_native(path: Path = NativeCopy.PATH) -> NativeCopy | None:
+    """The native copy loop, or None (the Python loop then does the same work)."""
+    if not path.exists():
+        log.info("%s is not built (make builds it): copies run the Python loop", path.name)
+        return None
+    try:
+        return NativeCopy(path)
+    except OSError as exc:
+        log.warning("cannot load %s (%s): copies run the Python loop", path, exc)
+        return None
+
+
+#: The loaded native copy loop; None runs every copy in Python (tests set it).
+NATIVE: NativeCopy | None = load_native()
 
 
 @dataclass
@@ -48,7 +125,8 @@ class ChunkBuffer:
 
     view: memoryview
     addr: int  # where ``view`` starts, for memcpy
-    tensor: torch.Tensor  # the same bytes (pinned on CUDA hosts), for CUDA copies
+    store_tensor: torch.Tensor  # the whole store (pinned on CUDA hosts)
+    offset: int  # of the chunk in ``store_tensor``
     namespace: str
     key: bytes
     expected: list[int]  # stored checksums, one per segment (empty while storing)
@@ -57,6 +135,12 @@ class ChunkBuffer:
     @property
     def size(self) -> int:
         return len(self.view)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The chunk's bytes as a tensor, for CUDA copies (a torch slice costs
+        microseconds: only CUDA copies make it)."""
+        return self.store_tensor[self.offset : self.offset + self.size]
 
     def verify(self, segment: int, digest: int) -> None:
         """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
@@ -75,6 +159,8 @@ class CopyPlan:
     block_ids: list[int]
     ops: list[tuple[HostRegion, int, int, int]]  # (region, region offset, chunk offset, n)
     starts: list[int]  # chunk offset of each op, for bisect
+    #: For the native loop (memfd regions only): rows of (address, chunk offset, n).
+    runs: np.ndarray | None = None
 
 
 def plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
@@ -98,14 +184,34 @@ def plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
                     ops.append((region, off, pos, n))
                 last, last_end = region, off + n
                 pos += n
-    return CopyPlan(block_ids, ops, [op[2] for op in ops])
+    runs = None
+    if all(isinstance(op[0], MemfdRegion) for op in ops):
+        rows = [(r.base + o, p, n) for r, o, p, n in ops]  # type: ignore[union-attr]
+        runs = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return CopyPlan(block_ids, ops, [op[2] for op in ops], runs)
+
+
+_plan_lock = threading.Lock()
+
+
+def cached_plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
+    """The plan of these blocks, made once per mapping (engines reuse block ids)."""
+    key = tuple(block_ids)
+    found: CopyPlan | None = mapping.plans.get(key)
+    if found is None:
+        found = plan(mapping, block_ids)
+        with _plan_lock:
+            if len(mapping.plans) >= PLAN_CACHE_SIZE:
+                del mapping.plans[next(iter(mapping.plans))]
+            mapping.plans[key] = found
+    return found
 
 
 def copy_range(
     plan: CopyPlan, buf: memoryview, addr: int, lo: int, hi: int, *, to_store: bool
 ) -> int:
     """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
-    store, at address ``addr``); returns the xxh3 of those chunk bytes, hashed
+    store, at address ``addr``); returns the CRC-32C of those chunk bytes, taken
     right after the copy while they are still in cache. (On a Retrieve the blocks
     are written before the check: a mismatch fails the call with DATA_LOSS, so
     the engine never uses them.)"""
@@ -187,26 +293,17 @@ class Blocks:
     def pieces(self, chunk: ChunkBuffer, ci: int, *, to_store: bool) -> list[Piece]:
         """One piece per checksum segment (one per chunk on CUDA). A Retrieve verifies
         each segment against the stored checksums; a Store returns them. The copy
-        plan is made by the first piece that runs, on a copy thread, so the event
-        loop only validates and reserves, and planning overlaps other chunks' copies."""
-        mapping, segs = self.mapping, segments(chunk.size)
-        made: list[CopyPlan] = []
-        lock = threading.Lock()
-
-        def the_plan() -> CopyPlan:
-            if not made:
-                with lock:
-                    if not made:
-                        made.append(plan(mapping, self.block_ids))
-            return made[0]
-
-        def check(si: int, digest: int) -> list[Digest]:
-            if not to_store:
-                chunk.verify(si, digest)
-                return []
-            return [(ci, si, digest)]
-
+        plan is made (or found in the mapping's cache) by the first piece that runs,
+        on a copy thread, so the event loop only validates and reserves."""
+        mapping = self.mapping
         if mapping.is_cuda:
+            segs = segments(chunk.size)
+
+            def check(si: int, digest: int) -> list[Digest]:
+                if not to_store:
+                    chunk.verify(si, digest)
+                    return []
+                return [(ci, si, digest)]
 
             def cuda_piece() -> list[Digest]:
                 out: list[Digest] = []
@@ -220,13 +317,54 @@ class Blocks:
                 return out
 
             return [cuda_piece]
+        job = _BlockCopy(mapping, self.block_ids, chunk, ci, to_store)
+        n = max(1, -(-chunk.size // SEGMENT_BYTES))
+        return [SegmentPiece(job, si) for si in range(n)]
 
-        buf, addr = chunk.view, chunk.addr
 
-        def piece(si: int, lo: int, hi: int) -> Piece:
-            return lambda: check(si, copy_range(the_plan(), buf, addr, lo, hi, to_store=to_store))
+class _BlockCopy:
+    """The copy of one chunk between host blocks and the store, run a span of
+    segments at a time: one native call per span where it can, else the Python loop."""
 
-        return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segs)]
+    def __init__(
+        self, mapping: Mapping, block_ids: list[int], chunk: ChunkBuffer, ci: int, to_store: bool
+    ) -> None:
+        self.mapping, self.block_ids, self.chunk = mapping, block_ids, chunk
+        self.ci, self.to_store = ci, to_store
+
+    def run(self, a: int, b: int) -> list[Digest]:
+        """Segments [a, b) of the chunk."""
+        chunk, ci, to_store = self.chunk, self.ci, self.to_store
+        p = cached_plan(self.mapping, self.block_ids)
+        lo, hi = a * SEGMENT_BYTES, min(b * SEGMENT_BYTES, chunk.size)
+        native = NATIVE
+        if native is not None and p.runs is not None:
+            digests = (ctypes.c_uint32 * (b - a))(*([] if to_store else chunk.expected[a:b]))
+            failed, got = native.copy(p.runs, chunk.addr, lo, hi, digests, to_store=to_store)
+            if failed >= 0:
+                chunk.verify(a + failed, got)  # raises DataLoss
+            return [(ci, a + k, d) for k, d in enumerate(digests)] if to_store else []
+        out: list[Digest] = []
+        for si in range(a, b):
+            s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
+            digest = copy_range(p, chunk.view, chunk.addr, s_lo, s_hi, to_store=to_store)
+            if to_store:
+                out.append((ci, si, digest))
+            else:
+                chunk.verify(si, digest)
+        return out
+
+
+class SegmentPiece:
+    """One checksum segment of a chunk's copy; ``tasks`` runs neighbours as one span."""
+
+    __slots__ = ("job", "si")
+
+    def __init__(self, job: _BlockCopy, si: int) -> None:
+        self.job, self.si = job, si
+
+    def __call__(self) -> list[Digest]:
+        return self.job.run(self.si, self.si + 1)
 
 
 class Inline:
@@ -243,7 +381,7 @@ class Inline:
     def pieces(self, chunk: ChunkBuffer, ci: int, *, to_store: bool) -> list[Piece]:
         if not to_store:
             self.out = bytearray(chunk.size)
-        data, dst = self.data, chunk.view
+        data, dst = memoryview(self.data), chunk.view
         out = memoryview(self.out)
 
         def piece(si: int, lo: int, hi: int) -> Piece:
@@ -266,7 +404,8 @@ Side = Blocks | Inline
 
 def tasks(pieces: list[Piece], nbytes: int, threads: int) -> list[Callable[[], list[Digest]]]:
     """The pieces of one copy as a few tasks, one per copy thread at most; small
-    copies run as one task."""
+    copies run as one task. Neighbouring segments of one chunk run as one span
+    (one native call)."""
     threads = threads if nbytes > PARALLEL_MIN_BYTES else 1
     n_tasks = max(1, min(len(pieces), threads))
     per = -(-len(pieces) // n_tasks)
@@ -274,10 +413,21 @@ def tasks(pieces: list[Piece], nbytes: int, threads: int) -> list[Callable[[], l
     def task(group: list[Piece], first: int) -> Callable[[], list[Digest]]:
         def run() -> list[Digest]:
             out: list[Digest] = []
-            for i, piece in enumerate(group):
+            i = 0
+            while i < len(group):
                 if first + i == 1:
                     failpoints.hit("transfer.copy")
-                out.extend(piece())
+                piece, j = group[i], i + 1
+                if isinstance(piece, SegmentPiece):
+                    while j < len(group) and first + j != 1:
+                        nxt = group[j]
+                        if not (isinstance(nxt, SegmentPiece) and nxt.job is piece.job):
+                            break
+                        j += 1
+                    out.extend(piece.job.run(piece.si, piece.si + j - i))
+                else:
+                    out.extend(piece())
+                i = j
             return out
 
         return run

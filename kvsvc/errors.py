@@ -172,6 +172,21 @@ class CapacityExhausted(KVServiceError):
     reason = "CAPACITY_EXHAUSTED"
 
 
+class PermissionDenied(KVServiceError):
+    """The caller is known but may not do this (another tenant's namespace, a file the
+    server will not open for it). The message never says what exists."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class Unauthenticated(KVServiceError):
+    """No valid credentials: a missing, unknown or expired token (gRPC status only)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
 class Unimplemented(KVServiceError):
     code = grpc.StatusCode.UNIMPLEMENTED
     reason = "UNIMPLEMENTED"
@@ -432,10 +447,34 @@ _CATALOGUE: tuple[Reason, ...] = (
         "too many passed fds are waiting for their Map (per process or in all)",
     ),
     _reason(
+        "TENANT_QUOTA_EXCEEDED",
+        CapacityExhausted,
+        "the caller's tenant is at one of its quotas (metadata: quota, used, limit): "
+        "mappings, in-flight transfers or passed fds",
+    ),
+    _reason(
         "FD_SOCKET_BUSY",
         CapacityExhausted,
         "the fd socket serves as many unfinished connections as it takes; retry",
         retryable=True,
+    ),
+    _reason(
+        "PERMISSION_DENIED",
+        PermissionDenied,
+        "the caller's tenant may not do this (e.g. a namespace it is not granted)",
+    ),
+    _reason(
+        "REGION_NOT_TRUSTED",
+        PermissionDenied,
+        "a shared-memory file is not one the server opens by name: more than one link, "
+        "an owner outside --shm-uids, group/world writable, or names are off",
+    ),
+    _reason(
+        "UNAUTHENTICATED",
+        Unauthenticated,
+        "the class's own reason; a server refuses credentials with the gRPC status "
+        "UNAUTHENTICATED (TRANSPORT_UNAUTHENTICATED): nothing ran",
+        client=True,
     ),
     _reason("UNIMPLEMENTED", Unimplemented, "the server does not implement this call"),
     _reason("DEADLINE_EXCEEDED", DeadlineExceeded, "the call's deadline passed"),
@@ -654,7 +693,11 @@ def from_grpc_error(
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(code)
     metadata = {"grpcCode": code.name}
-    if transfer_started and code is not grpc.StatusCode.UNIMPLEMENTED:
+    # UNIMPLEMENTED and UNAUTHENTICATED are answered before any handler runs.
+    if transfer_started and code not in (
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    ):
         return TransferUnprovable(
             f"transfer outcome unknown after {code.name}: {details}",
             metadata=metadata,
@@ -720,6 +763,8 @@ class _BoundedLog:
             msg += f" ({held} more since the last such message)"
         self.logger.warning(msg, *args)
 
+
+BoundedLog = _BoundedLog  # the public name (kvsvc.integrations use it)
 
 MALFORMED_LOG_INTERVAL_S = 10.0
 _malformed_log = _BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from kvsvc import __version__, fdbroker
+from kvsvc.auth import Authenticator, AuthInterceptor, TenantFileError
 from kvsvc.config import ConfigError, ServerConfig, grpc_socket, server_options, socket_gid
 from kvsvc.errors import request_parser
 from kvsvc.health import Health, Watchdog
@@ -32,6 +33,15 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.auth: Authenticator | None = None
+        if config.authenticated:
+            try:
+                self.auth = Authenticator(
+                    config.auth_token_file, client_certs=bool(config.tls_client_ca)
+                )
+            except TenantFileError as exc:
+                raise ConfigError(f"--auth-token-file: {exc}") from None
+        credentials = _server_credentials(config)
         self.health = Health()
         if config.socket_dir:
             try:
@@ -39,11 +49,23 @@ class Server:
             except OSError as exc:
                 raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from None
         self.servicer = KVCacheServicer(config, self.health)
-        self.grpc = grpc.aio.server(options=server_options())
+        if self.auth is not None:
+            self.auth.on_failure = self.servicer.metrics.observe_auth_failure
+        self.grpc = grpc.aio.server(
+            options=server_options(),
+            interceptors=[AuthInterceptor(self.auth)] if self.auth is not None else None,
+        )
         # Not the generated add_*_to_server: their deserializers raise on bytes that
         # do not parse, which grpc answers UNKNOWN with an ERROR traceback each time.
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
         self._add_service(pb.DESCRIPTOR.services_by_name["KVCacheService"], self.servicer)
-        self._add_service(health_pb2.DESCRIPTOR.services_by_name["Health"], self.health.servicer)
+        self._add_service(health_service, self.health.servicer)
+        # Probes that cannot present credentials: health only, plaintext, its own port.
+        self.health_grpc: grpc.aio.Server | None = None
+        self.health_address = ""
+        if config.health_listen:
+            self.health_grpc = grpc.aio.server(options=server_options())
+            self._add_service(health_service, self.health.servicer, self.health_grpc)
         reflection.enable_server_reflection(
             (
                 pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
@@ -54,9 +76,17 @@ class Server:
         )
         self.unix = grpc_socket(config)  # engines in other containers reach us here
         try:
-            self.port = self.grpc.add_insecure_port(config.listen)
+            if credentials is None:
+                self.port = self.grpc.add_insecure_port(config.listen)
+            else:
+                self.port = self.grpc.add_secure_port(config.listen, credentials)
             if self.port == 0 and not config.listen.startswith("unix:"):
                 raise RuntimeError("no address bound")
+            if self.health_grpc is not None:
+                health_port = self.health_grpc.add_insecure_port(config.health_listen)
+                if health_port == 0 and not config.health_listen.startswith("unix:"):
+                    raise RuntimeError("no health address bound")
+                self.health_address = _bound(config.health_listen, health_port)
             if self.unix is not None:
                 self.grpc.add_insecure_port(self.unix)
                 fdbroker.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
@@ -68,21 +98,39 @@ class Server:
             if self.servicer.remote is not None:
                 self.servicer.remote.close()
             raise ConfigError(
-                f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}: "
+                f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}"
+                f"{' and ' + config.health_listen if config.health_listen else ''}: "
                 "grpc could not bind it "
                 "(a port in use, a host that does not resolve, a missing directory?)"
             ) from None
-        host = config.listen.rsplit(":", 1)[0]
-        self.address = config.listen if config.listen.startswith("unix:") else f"{host}:{self.port}"
+        self.address = _bound(config.listen, self.port)
 
-    def _add_service(self, service: ServiceDescriptor, servicer: object) -> None:
-        """Register ``servicer``'s unary methods with requests parsed by
+    def describe_security(self) -> str:
+        """What the main port requires and what it trusts, for the start-up log."""
+        c = self.config
+        parts = [("mTLS" if c.tls_client_ca else "TLS") if c.tls_cert else "plaintext"]
+        if self.auth is not None and c.auth_token_file:
+            parts.append(f"bearer tokens of {len(self.auth.tables.tenants)} tenants")
+        elif self.auth is not None:
+            parts.append("client certificates: one default tenant")
+        else:
+            parts.append("no authentication: one default tenant")
+        owners = self.servicer.shm_owners
+        parts.append("shm names off" if owners is None else f"shm names of uids {sorted(owners)}")
+        return ", ".join(parts)
+
+    def _add_service(
+        self, service: ServiceDescriptor, servicer: object, server: grpc.aio.Server | None = None
+    ) -> None:
+        """Register ``servicer``'s methods with requests parsed by
         :func:`request_parser`, so a message that does not parse gets a typed reply."""
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method in service.methods:
-            assert not method.client_streaming, method.full_name
+            assert not method.client_streaming or method.server_streaming, method.full_name
             make = (
-                grpc.unary_stream_rpc_method_handler
+                grpc.stream_stream_rpc_method_handler
+                if method.client_streaming
+                else grpc.unary_stream_rpc_method_handler
                 if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler
             )
@@ -92,8 +140,9 @@ class Server:
                 response_serializer=GetMessageClass(method.output_type).SerializeToString,
             )
         generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
-        self.grpc.add_generic_rpc_handlers((generic,))
-        self.grpc.add_registered_method_handlers(service.full_name, handlers)
+        server = self.grpc if server is None else server
+        server.add_generic_rpc_handlers((generic,))
+        server.add_registered_method_handlers(service.full_name, handlers)
 
     async def start(self) -> None:
         if self.servicer.fds is not None:
@@ -101,6 +150,8 @@ class Server:
         await self.health.start()
         self._reaper = asyncio.ensure_future(self.servicer.reap())
         await self.grpc.start()
+        if self.health_grpc is not None:
+            await self.health_grpc.start()
         self.watchdog = Watchdog(
             asyncio.get_running_loop(),
             self.servicer.engine,
@@ -113,13 +164,16 @@ class Server:
             host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
             self.servicer.metrics.serve_http(self.config.metrics_port, host)
         log.info(
-            "kvsvc %s serving on %s (store %d bytes, device %s, start id %s)",
+            "kvsvc %s serving on %s (store %d bytes, device %s, start id %s; %s)",
             __version__,
             self.address + (f" and {self.unix}" if self.unix else ""),
             self.servicer.store.capacity,
             self.servicer.device,
             self.servicer.start_id,
+            self.describe_security(),
         )
+        if self.health_grpc is not None:
+            log.info("health-only plaintext listener on %s", self.health_address)
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
@@ -132,7 +186,10 @@ class Server:
             await asyncio.sleep(0.02)
         # Copies are drained; other calls are short, and health Watch streams never
         # end on their own, so they must not hold the exit for the whole grace.
+        self.servicer.end_sessions()
         await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(0)
         if engine.inflight:
             log.warning(
                 "shutdown: copies still running after the %.1f s grace period: %s",
@@ -151,6 +208,30 @@ class Server:
             self.servicer.remote.close()  # queued writes are dropped, counted
 
 
+def _bound(listen: str, port: int) -> str:
+    """The address a listener got (its port, where port 0 asked for any)."""
+    return listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS for the main port (mTLS with --tls-client-ca), or None for plaintext."""
+    if not config.tls_cert:
+        return None
+    try:
+        return grpc.ssl_server_credentials(
+            [(_read(config.tls_key), _read(config.tls_cert))],
+            root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
+            require_client_auth=bool(config.tls_client_ca),
+        )
+    except OSError as exc:
+        raise ConfigError(f"TLS files: {exc.filename}: {exc.strerror}") from None
+
+
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0 after a graceful drain), or, with
     --exit-on-fatal, until a fatal failure (exit 3 once copies are fenced)."""
@@ -161,6 +242,8 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = Server(config)
+    if server.auth is not None:  # a new tenant file, without dropping a call
+        loop.add_signal_handler(signal.SIGHUP, server.auth.reload)
     await server.start()
     waits = [asyncio.ensure_future(stop.wait())]
     if config.exit_on_fatal:

@@ -185,6 +185,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.auth_failures = Counter(
+            "kvsvc_auth_failures",
+            "calls refused UNAUTHENTICATED, by why (missing, unknown, expired, malformed, "
+            "certificate-unlisted); every one is counted, the log is rate-bounded",
+            ["reason"],
+            registry=r,
+        )
         self.transfer_bytes = Counter(
             "kvsvc_transfer_bytes",
             "bytes copied, by direction (store, retrieve)",
@@ -198,6 +205,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+        self.lookup_chunks = Counter(
+            "kvsvc_lookup_chunks",
+            "chunks asked for by Lookup: 'hit' (in the leading stored run) or 'miss' "
+            "(the rest); an engine's prefix hit rate",
+            ["result"],
+            registry=r,
+        )
+        self._lookup_hit = self.lookup_chunks.labels("hit")
+        self._lookup_miss = self.lookup_chunks.labels("miss")
 
         def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(name, doc, registry=r).set_function(fn)
@@ -271,9 +288,16 @@ class Metrics:
         pair[0].inc()
         pair[1].observe(seconds)
 
+    def observe_auth_failure(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
+
     def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).inc(nbytes)
         self.transfer_seconds.labels(direction).observe(seconds)
+
+    def observe_lookup(self, hits: int, asked: int) -> None:
+        self._lookup_hit.inc(hits)
+        self._lookup_miss.inc(asked - hits)
 
     def serve_http(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)

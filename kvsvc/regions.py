@@ -14,16 +14,16 @@ torch slice copy costs several: runs are as small as one block of one layer).
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvsvc.errors import InvalidRequest, RegionUnavailable
+from kvsvc.errors import InvalidRequest, PermissionDenied, RegionUnavailable
 from kvsvc.fdbroker import FdBroker, Owner
 from kvsvc.layout import (
     HandleKey,
@@ -38,6 +38,9 @@ from kvsvc.layout import (
 )
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+#: The default trust of name-based regions: files of the server's own uid only.
+SELF_ONLY = frozenset({os.geteuid()})
+
 
 def safe_shm_path(shm_dir: str, name: str) -> str:
     """A plain file name inside ``shm_dir``; anything that could escape it is refused."""
@@ -49,12 +52,62 @@ def safe_shm_path(shm_dir: str, name: str) -> str:
         or name in (".", "..")
         or len(name) > 255
     ):
-        raise InvalidRequest(
-            f"shared-memory name {name!r} must be a plain file name inside the shm dir",
-            reason="INVALID_REGION_NAME",
-            metadata={"name": name[:255]},
-        )
+        raise _bad_name(name, "must be a plain file name inside the shm dir")
     return os.path.join(shm_dir, name)
+
+
+def _bad_name(name: str, why: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"shared-memory name {name[:255]!r} {why}",
+        reason="INVALID_REGION_NAME",
+        metadata={"name": name[:255]},
+    )
+
+
+def _untrusted(name: str, why: str) -> PermissionDenied:
+    """Refused because the server would use its own rights on a file it cannot tie
+    to the caller: no owner, mode or link count is echoed back (nothing about a
+    file the caller may not see)."""
+    return PermissionDenied(
+        f"shared-memory region {name!r} is refused: {why}",
+        reason="REGION_NOT_TRUSTED",
+        metadata={"name": name},
+    )
+
+
+def open_trusted(shm_dir: str, name: str, owners: frozenset[int] | None) -> int:
+    """An ``O_RDWR`` fd of ``shm_dir/name``, opened only if it is safe to use with the
+    server's rights on a client's behalf: a regular file (not a symlink, FIFO, device
+    or directory), with one link (no hard link to a file elsewhere), owned by a uid in
+    ``owners`` (None: names are off) and writable by its owner only.
+
+    The name is first opened ``O_PATH | O_NOFOLLOW`` (no side effect on a FIFO or a
+    device), checked with ``fstat``, then re-opened through that very fd, so the file
+    checked is the file used even if the name is swapped in between."""
+    path = safe_shm_path(shm_dir, name)
+    if owners is None:
+        raise _untrusted(name, "this server maps no memory by name (--shm-uids off); pass a memfd")
+    pfd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(pfd)
+        if stat.S_ISLNK(st.st_mode):
+            raise _bad_name(name, "is a symbolic link; it is refused")
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad_name(name, "is not a regular file")
+        if st.st_nlink != 1:
+            raise _untrusted(name, "a file with more than one link (a hard link) is not mapped")
+        if st.st_uid not in owners:
+            raise _untrusted(name, "its owner is not a uid this server maps files of (--shm-uids)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise _untrusted(name, "it is writable by its group or others")
+        fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDWR | os.O_CLOEXEC)
+    finally:
+        os.close(pfd)
+    again = os.fstat(fd)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):  # pragma: no cover - kernel
+        os.close(fd)
+        raise _untrusted(name, "it changed while it was opened")
+    return fd
 
 
 class ShmRegion:
@@ -62,27 +115,13 @@ class ShmRegion:
 
     device = torch.device("cpu")
 
-    def __init__(self, shm_dir: str, name: str, need_bytes: int) -> None:
+    def __init__(
+        self, shm_dir: str, name: str, need_bytes: int, owners: frozenset[int] | None
+    ) -> None:
         path = safe_shm_path(shm_dir, name)
-        # O_NOFOLLOW: a symlink planted under the name cannot redirect us.
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise InvalidRequest(
-                f"shared-memory region {name!r} is a symbolic link; it is refused",
-                reason="INVALID_REGION_NAME",
-                metadata={"name": name},
-            ) from exc
+        fd = open_trusted(shm_dir, name, owners)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidRequest(
-                    f"shared-memory region {name!r} is not a regular file",
-                    reason="INVALID_REGION_NAME",
-                    metadata={"name": name},
-                )
             if st.st_size < need_bytes:
                 raise RegionUnavailable(
                     f"shared-memory region {name!r} has {st.st_size} bytes, "
@@ -286,9 +325,14 @@ class RankMapping:
 
 
 def open_rank(
-    rank: pb.RankRegion, index: int, shm_dir: str, fds: FdBroker | None = None
+    rank: pb.RankRegion,
+    index: int,
+    shm_dir: str,
+    fds: FdBroker | None = None,
+    owners: frozenset[int] | None = SELF_ONLY,
 ) -> RankMapping:
-    """Validate and open one rank's regions (all or none); raises with the rank named."""
+    """Validate and open one rank's regions (all or none); raises with the rank named.
+    ``owners``: the uids whose files may be mapped by name (see open_trusted)."""
     tensors = parse_rank(rank, index, cuda=torch.cuda.is_available())
     need: dict[HandleKey, tuple[int, pb.MemoryHandle]] = {}
     for t in rank.tensors:
@@ -297,7 +341,7 @@ def open_rank(
     regions: dict[HandleKey, Region] = {}
     try:
         for key, (nbytes, handle) in need.items():
-            regions[key] = _open_region(key, handle, nbytes, shm_dir, fds)
+            regions[key] = _open_region(key, handle, nbytes, shm_dir, fds, owners)
     except BaseException:
         for region in regions.values():
             region.close()
@@ -334,10 +378,15 @@ def check_ranks_agree(ranks: list[RankMapping]) -> None:
 
 
 def _open_region(
-    key: HandleKey, handle: pb.MemoryHandle, nbytes: int, shm_dir: str, fds: FdBroker | None
+    key: HandleKey,
+    handle: pb.MemoryHandle,
+    nbytes: int,
+    shm_dir: str,
+    fds: FdBroker | None,
+    owners: frozenset[int] | None,
 ) -> Region:
     if key.kind is HandleKind.SHM:
-        return ShmRegion(shm_dir, key.ident, nbytes)
+        return ShmRegion(shm_dir, key.ident, nbytes, owners)
     if key.kind is HandleKind.MEMFD:
         return MemfdRegion(fds, key.ident, nbytes)
     return CudaRegion(handle.cuda_ipc, nbytes)
@@ -355,6 +404,10 @@ class Mapping:
     block_bytes: int
     fingerprint: str
     closing: bool = False
+    #: kvsvc.copies' copy plans of this mapping by block ids: they die with it.
+    plans: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the tenant (kvsvc.auth) that mapped it: no other sees it
+    tenant: str = "default"
 
     @classmethod
     def of(
@@ -390,6 +443,11 @@ class Mapping:
             for rank in self.ranks
             for region in rank.regions.values()
         )
+
+    @functools.cached_property
+    def memfds(self) -> int:
+        """Passed memfds this mapping holds (a tenant's fd quota counts them)."""
+        return sum(isinstance(r, MemfdRegion) for rm in self.ranks for r in rm.regions.values())
 
     @functools.cached_property
     def is_cuda(self) -> bool:

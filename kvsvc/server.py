@@ -10,9 +10,10 @@ import contextlib
 import functools
 import inspect
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from time import monotonic
 from typing import Any, TypeVar
 
@@ -21,12 +22,14 @@ import torch
 from google.protobuf import timestamp_pb2
 
 from kvsvc import __version__, failpoints, fdbroker
+from kvsvc.auth import DEFAULT_TENANT, Tenant, current_tenant
 from kvsvc.config import (
     MAPPING_REAP_INTERVAL_S,
     MAX_KEY_BYTES,
     MAX_NAMESPACE_BYTES,
     ConfigError,
     ServerConfig,
+    shm_owner_uids,
     socket_gid,
 )
 from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
@@ -36,6 +39,7 @@ from kvsvc.errors import (
     NO_TRANSFER,
     NOT_STARTED,
     UNKNOWN,
+    CapacityExhausted,
     DeadlineExceeded,
     FatalServerError,
     InvalidRequest,
@@ -62,19 +66,31 @@ from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 log = logging.getLogger("kvsvc.server")
 R = TypeVar("R")
 MAP_RETRY_S = 0.02
+#: A SessionRequest's kind -> the RPC whose wrapper and handler serve it.
+#: How long after a Session request's deadline the server stops waiting for it.
+SESSION_GRACE_S = 1.0
+#: Put in a Session's answer queue by ``end_sessions``.
+_END_SESSION = pb.SessionResponse()
+SESSION_RPCS = {"lookup": "Lookup", "store": "Store", "retrieve": "Retrieve", "fence": "Fence"}
 
 
 class Call:
     """Per-request state the wrapper reads when it builds an error."""
 
-    __slots__ = ("deadline", "request_id", "started", "transfer")
+    __slots__ = ("deadline", "key", "request_id", "started", "tenant", "transfer")
 
-    def __init__(self, request_id: str, deadline: float, transfer: bool) -> None:
+    def __init__(
+        self, request_id: str, deadline: float, transfer: bool, tenant: Tenant = DEFAULT_TENANT
+    ) -> None:
         self.request_id = request_id
         #: monotonic; the client's, or the default for calls without one
         self.deadline = deadline
         self.transfer = transfer
         self.started = False
+        #: who calls (kvsvc.auth): every mapping, namespace and transfer id it names is its own
+        self.tenant = tenant
+        #: the transfer engine's id of this call: tenants never share one
+        self.key = tenant.scoped(request_id)
 
 
 def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
@@ -104,23 +120,29 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 )
             if transfer:
                 self.health.check_serving()
+                self._admit(call)
             result = (await fn(self, request, call)) if is_async else fn(self, request, call)
             if not is_async and inspect.iscoroutine(result):
                 result = await result  # a plain handler that has to wait this time
             # A handler may build its whole response (cheaper than copying a result in).
             return result if type(result) is response_cls else response_cls(result=result)
 
-        @functools.wraps(fn)
-        async def handler(
-            self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+        async def serve(
+            self: KVCacheServicer,
+            request: Any,
+            context: grpc.aio.ServicerContext,
+            remaining: float | None,
+            bound: bool,
         ) -> Any:
+            """One request, from a unary call or a Session stream (``bound``: nothing
+            else ends it at its deadline, so the wrapper does)."""
             request_id = request.header.request_id or new_request_id()
-            remaining = context.time_remaining()
             started = monotonic()  # one clock for the deadline and the latency metric
             call = Call(
                 request_id,
                 started + (self.config.default_deadline if remaining is None else remaining),
                 transfer,
+                current_tenant(),
             )
             outcome = "result"
             token = REQUEST_ID.set(request_id)
@@ -128,9 +150,15 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 if type(request) is Unparsed:  # its bytes did not parse (logged when parsed)
                     outcome = MalformedRequest.reason
                     return response_cls(error=request.envelope(request_id, transfer))
-                if remaining is None:
-                    # No client deadline: the default one bounds every wait here.
-                    return await self._bounded(dispatch(self, request, call), name, call)
+                if (remaining is None or bound) and (is_async or failpoints.ENABLED):
+                    # No client deadline: the default one bounds every wait here. A
+                    # Session request's own: its client answers itself at the deadline
+                    # (as gRPC does for unary calls), so the server ends a little later.
+                    # A plain handler never waits (only a failpoint may): unbounded.
+                    grace = SESSION_GRACE_S if remaining is not None else 0.0
+                    return await self._bounded(
+                        dispatch(self, request, call), name, call, remaining is None, grace
+                    )
                 return await dispatch(self, request, call)
             except asyncio.CancelledError:
                 # The client cancelled or its deadline passed: nobody reads a reply.
@@ -145,6 +173,13 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 REQUEST_ID.reset(token)
                 self.metrics.observe_request(name, outcome, monotonic() - started)
 
+        @functools.wraps(fn)
+        async def handler(
+            self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+        ) -> Any:
+            return await serve(self, request, context, context.time_remaining(), False)
+
+        handler.serve = serve  # type: ignore[attr-defined]  # for Session's requests
         return handler
 
     return decorate
@@ -167,8 +202,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine = TransferEngine(config.transfer_threads)
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
-        self._mapping_seq = 0
+        self._sessions: set[asyncio.Queue[pb.SessionResponse | None]] = set()
+        self._sessions_ending = False
         self.fds = self._fd_broker(config)
+        #: whose files Map opens by name (--shm-uids; regions.open_trusted)
+        self.shm_owners = shm_owner_uids(config.shm_uids)
         self._reap_wake = asyncio.Event()
         if self.fds is not None:
             self.fds.on_lease_end = self._lease_ended
@@ -200,13 +238,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
             return None
 
-    async def _bounded(self, work: Awaitable[Any], name: str, call: Call) -> Any:
-        """Run a call that carries no deadline within the server's default: a handler
-        that hangs or a copy that runs long is answered at the deadline all the same
-        (a copy that goes on is tracked, answered UNKNOWN, and Fence proves its end)."""
+    async def _bounded(
+        self, work: Awaitable[Any], name: str, call: Call, default: bool, grace: float = 0.0
+    ) -> Any:
+        """Run a call within its deadline (``default``: the server's, the call carried
+        none): a handler that hangs or a copy that runs long is answered at the
+        deadline all the same (a copy that goes on is tracked, answered UNKNOWN, and
+        Fence proves its end). Unary calls with a deadline have gRPC for this."""
         # At the deadline itself: handlers give up a little earlier with a better
         # error (they keep a reply budget); this only catches what does not.
-        limit = max(0.0, call.deadline - monotonic())
+        limit = max(0.0, call.deadline + grace - monotonic())
         try:
             return await asyncio.wait_for(work, limit)
         except asyncio.TimeoutError:
@@ -214,7 +255,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 raise  # the handler's own TimeoutError, not the deadline's
             state = NO_TRANSFER
             if call.transfer:
-                state = self.engine.state_of(call.request_id) if call.started else NOT_STARTED
+                state = self.engine.state_of(call.key) if call.started else NOT_STARTED
+            if not default:
+                raise DeadlineExceeded(
+                    f"{name} did not finish within its deadline", transfer_state=state
+                ) from None
             raise DeadlineExceeded(
                 f"{name} did not finish within the server's default deadline of "
                 f"{self.config.default_deadline:g} s (the call carried no deadline)",
@@ -254,9 +299,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.loop.call_soon_threadsafe(self.fatal, exc)
 
     # --- helpers ---
-    def _mapping(self, mapping_id: str) -> Mapping:
+    def _mapping(self, mapping_id: str, call: Call) -> Mapping:
+        """The caller's mapping; another tenant's is as unknown as one never made."""
         mapping = self.mappings.get(mapping_id)
-        if mapping is None:
+        if mapping is None or mapping.tenant != call.tenant.name:
             raise MappingLost(
                 f"mapping {mapping_id!r} is not known to server start {self.start_id}: "
                 "the server restarted or the mapping was unmapped; map again",
@@ -269,6 +315,43 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 metadata={"mappingId": mapping_id},
             )
         return mapping
+
+    def _admit(self, call: Call) -> None:
+        """A transfer within its tenant's quota (kvsvc.auth.Quota), else
+        RESOURCE_EXHAUSTED before anything is reserved; keeps the store's view of
+        the tenant's share current (a reloaded tenant file takes effect here)."""
+        tenant = call.tenant
+        quota = tenant.quota
+        if quota.store_share < 1:
+            self.store.shares[tenant.name] = int(self.store.capacity * quota.store_share)
+        else:
+            self.store.shares.pop(tenant.name, None)
+        if quota.max_inflight:
+            prefix = tenant.scoped("")
+            running = sum(1 for tid in self.engine.inflight if tid.startswith(prefix))
+            if running >= quota.max_inflight:
+                raise _quota_exceeded(tenant, "max_inflight", running, quota.max_inflight)
+
+    def _admit_map(self, call: Call, request: pb.MapRequest) -> None:
+        """A Map within its tenant's mapping and fd quotas, before anything is opened."""
+        tenant, quota = call.tenant, call.tenant.quota
+        if not (quota.max_mappings or quota.max_fds):
+            return
+        mine = [m for m in self.mappings.values() if m.tenant == tenant.name]
+        if quota.max_mappings and len(mine) >= quota.max_mappings:
+            raise _quota_exceeded(tenant, "max_mappings", len(mine), quota.max_mappings)
+        if quota.max_fds:
+            held = sum(m.memfds for m in mine)
+            asked = len(
+                {
+                    t.handle.sealed_memfd.token
+                    for r in request.ranks
+                    for t in r.tensors
+                    if t.handle.WhichOneof("kind") == "sealed_memfd"
+                }
+            )
+            if held + asked > quota.max_fds:
+                raise _quota_exceeded(tenant, "max_fds", held, quota.max_fds)
 
     @staticmethod
     def _oneof(request: Any, group: str) -> str:
@@ -284,16 +367,19 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     # --- RPCs ---
     @rpc(pb.MapResponse)
     async def Map(self, request: pb.MapRequest, call: Call) -> pb.MapResult:
-        _check_namespace(request.namespace)
+        namespace = _check_namespace(request.namespace, call)
         if not request.ranks:
             raise InvalidRequest("at least one rank is required", metadata={"field": "ranks"})
+        self._admit_map(call, request)
         descriptor = _ranks_descriptor(request)
         for existing in list(self.mappings.values()):
             if existing.closing:
                 continue
             current = await asyncio.to_thread(existing.is_current)
-            # Idempotent re-map: the same ranks over the same memory, same mapping.
-            if current and existing.descriptor == descriptor:
+            # Idempotent re-map: the same ranks over the same memory, same mapping
+            # (and the same tenant: another's Map never learns this mapping's id).
+            mine = existing.tenant == call.tenant.name
+            if current and mine and existing.descriptor == descriptor:
                 return self._map_result(existing)
             # A mapping whose files were deleted or replaced (its client restarted)
             # is stale: release it once no copy uses it.
@@ -324,11 +410,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     metadata={**rank_metadata(ctx, index), "error": type(exc).__name__},
                 ) from exc
             raise
-        self._mapping_seq += 1
         try:
-            mapping = Mapping.of(
-                f"{self.start_id[:8]}-{self._mapping_seq}", request.namespace, descriptor, ranks
-            )
+            # 128 random bits: a mapping id cannot be guessed from another.
+            mapping = Mapping.of(secrets.token_hex(16), namespace, descriptor, ranks)
+            mapping.tenant = call.tenant.name
         except BaseException:
             for opened in ranks:
                 opened.close()
@@ -360,8 +445,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         while True:
             attempt = time.monotonic()
             try:
+                owners = call.tenant.shm_uids
                 return await asyncio.to_thread(
-                    open_rank, rank, index, self.config.shm_dir, self.fds
+                    open_rank,
+                    rank,
+                    index,
+                    self.config.shm_dir,
+                    self.fds,
+                    self.shm_owners if owners is None else owners,
                 )
             except (FileNotFoundError, RegionUnavailable) as exc:
                 last = exc
@@ -380,7 +471,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.UnmapResponse)
     async def Unmap(self, request: pb.UnmapRequest, call: Call) -> pb.UnmapResult:
-        waited = await self._release(self._mapping(request.mapping_id), call.deadline, "unmapped")
+        waited = await self._release(
+            self._mapping(request.mapping_id, call), call.deadline, "unmapped"
+        )
         return pb.UnmapResult(fenced_transfers=waited, server_start_id=self.start_id)
 
     def _lease_ended(self, lease: fdbroker.Lease) -> None:
@@ -426,29 +519,31 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         log.info("mapping %s %s (%d copies fenced)", mapping.mapping_id, why, waited)
         return waited
 
-    def _sides(self, request: Any, group: str) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
+    def _sides(
+        self, request: Any, group: str, call: Call
+    ) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
         """(namespace, layout, mapping id, [(key, engine side)]) of a Store's source or
         a Retrieve's target: the one place that tells blocks from inline bytes."""
         if self._oneof(request, group) == "blocks":  # the same BlockChunks in both
             blocks = request.blocks
-            mapping = self._mapping(blocks.mapping_id)
+            mapping = self._mapping(blocks.mapping_id, call)
             sides: list[tuple[bytes, Side]] = [
                 (c.key, Blocks(mapping, list(c.block_ids), i)) for i, c in enumerate(blocks.chunks)
             ]
             _check_keys([k for k, _ in sides])
             return mapping.namespace, mapping.fingerprint, mapping.mapping_id, sides
         inline = request.inline
-        _check_namespace(inline.namespace)
+        namespace = _check_namespace(inline.namespace, call)
         if group == "source":
             sides = [(c.key, Inline(c.data)) for c in inline.chunks]
         else:
             sides = [(key, Inline()) for key in inline.keys]
         _check_keys([k for k, _ in sides])
-        return inline.namespace, INLINE_LAYOUT, "", sides
+        return namespace, INLINE_LAYOUT, "", sides
 
     @rpc(pb.StoreResponse, transfer=True)
     async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
-        namespace, layout, mapping_id, sides = self._sides(request, "source")
+        namespace, layout, mapping_id, sides = self._sides(request, "source", call)
         failpoints.hit("store.put")
         present = 0
         wanted: dict[bytes, Side] = {}  # the first of equal keys wins
@@ -459,7 +554,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 wanted[key] = side
         # All or none: a request that cannot be placed evicts nothing.
         reserved, evicted = (
-            self.store.reserve(namespace, [(k, s.nbytes) for k, s in wanted.items()], layout)
+            self.store.reserve(
+                namespace, [(k, s.nbytes) for k, s in wanted.items()], layout, call.tenant.name
+            )
             if wanted
             else ([], 0)
         )
@@ -517,7 +614,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         t0 = time.perf_counter()
         try:
             result = await self.engine.run(
-                call.request_id,
+                call.key,
                 mapping_id,
                 nbytes,
                 call.deadline,
@@ -533,7 +630,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.RetrieveResponse, transfer=True)
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
-        namespace, layout, mapping_id, sides = self._sides(request, "target")
+        namespace, layout, mapping_id, sides = self._sides(request, "target", call)
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
         if self.remote is not None and len(chunks) < len(keys):
@@ -587,17 +684,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if not all(0 < len(k) <= MAX_KEY_BYTES for k in keys):
             _check_keys(keys)  # raises for the first bad key
         if scope == "mapping_id":
-            mapping = self._mapping(request.mapping_id)
+            mapping = self._mapping(request.mapping_id, call)
             namespace, layout = mapping.namespace, mapping.fingerprint
             hits = self.store.lookup(namespace, keys, layout)
         else:
-            _check_namespace(request.namespace)
             # Redis is asked about inline chunks only: its keys name one layout.
-            namespace, layout = request.namespace, INLINE_LAYOUT
+            namespace, layout = _check_namespace(request.namespace, call), INLINE_LAYOUT
             hits = self.store.lookup(namespace, keys, None)
         if self.remote is not None and hits < len(keys):
             return self._lookup_remote(namespace, layout, keys, hits)
-        return self._lookup_response(hits)
+        return self._lookup_response(hits, len(keys))
 
     async def _lookup_remote(
         self, namespace: str, layout: str, keys: list[bytes], hits: int
@@ -611,9 +707,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             if not ((i < len(remote) and remote[i]) or self.store.lookup(namespace, [key], local)):
                 break
             hits += 1
-        return self._lookup_response(hits)
+        return self._lookup_response(hits, len(keys))
 
-    def _lookup_response(self, hits: int) -> pb.LookupResponse:
+    def _lookup_response(self, hits: int, asked: int) -> pb.LookupResponse:
+        self.metrics.observe_lookup(hits, asked)
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits
@@ -622,12 +719,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @rpc(pb.FenceResponse)
     async def Fence(self, request: pb.FenceRequest, call: Call) -> pb.FenceResult:
-        if request.mapping_id and request.mapping_id not in self.mappings:
-            self._mapping(request.mapping_id)  # raises MappingLost
+        owned = self.mappings.get(request.mapping_id)
+        if request.mapping_id and (owned is None or owned.tenant != call.tenant.name):
+            self._mapping(request.mapping_id, call)  # raises MappingLost: not the caller's
         if not request.mapping_id and not request.transfer_ids:
             raise InvalidRequest("fence needs a mapping_id or transfer_ids")
+        # A tenant waits on and bars only its own transfer ids.
         waited, barred, still = await self.engine.fence(
-            request.mapping_id, request.transfer_ids, call.deadline
+            request.mapping_id, [call.tenant.scoped(t) for t in request.transfer_ids], call.deadline
         )
         if still:
             raise DeadlineExceeded(
@@ -639,6 +738,85 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return pb.FenceResult(
             waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
         )
+
+    async def Session(
+        self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Each request runs as its own task through its unary RPC's wrapper (checks,
+        health, metrics, failpoints, errors as on unary); answers go out as they are
+        ready. When the stream ends, pending requests are cancelled as a unary call
+        whose client went away would be (a started copy stays tracked for Fence)."""
+        # Sent at once: a client writes no request before it knows the server has
+        # this RPC (an older server's UNIMPLEMENTED then never races a write).
+        await context.send_initial_metadata(())
+        if self._sessions_ending:
+            return
+        out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+        pending: set[asyncio.Task[None]] = set()
+        reading = [True]
+
+        def finished(task: asyncio.Task[None]) -> None:
+            pending.discard(task)
+            if not reading[0] and not pending:
+                out.put_nowait(None)
+
+        async def answer(request: pb.SessionRequest) -> None:
+            out.put_nowait(await self._session_request(request, context))
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = self.loop.create_task(answer(request))
+                    pending.add(task)
+                    task.add_done_callback(finished)
+            finally:
+                reading[0] = False
+                if not pending:
+                    out.put_nowait(None)
+
+        reader = self.loop.create_task(read())
+        self._sessions.add(out)
+        try:
+            while (response := await out.get()) is not None:
+                if response is _END_SESSION:  # shutdown: read no more, answer what is held
+                    reader.cancel()
+                    continue
+                yield response
+        finally:
+            self._sessions.discard(out)
+            reader.cancel()
+            for task in list(pending):
+                task.cancel()
+
+    def end_sessions(self) -> None:
+        """At shutdown, once copies are drained: every Session stream stops reading,
+        answers what it holds and ends (left open, the server's stop would cancel
+        it, and grpc logs each cancelled handler as an ERROR)."""
+        self._sessions_ending = True
+        for out in self._sessions:
+            out.put_nowait(_END_SESSION)
+
+    async def _session_request(
+        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionResponse:
+        if type(request) is Unparsed:  # no id to answer under: id 0, which no client uses
+            return pb.SessionResponse(id=0, error=request.envelope(new_request_id(), False))
+        kind = request.WhichOneof("request")
+        try:
+            if kind is None:
+                self._oneof(request, "request")  # raises UnsupportedRequest
+            assert kind is not None
+            remaining = (
+                request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
+            )
+            serve = getattr(type(self), SESSION_RPCS[kind]).serve
+            response = await serve(self, getattr(request, kind), context, remaining, True)
+            return pb.SessionResponse(id=request.id, **{kind: response})
+        except Exception as exc:  # answered, never dropped
+            if not isinstance(exc, KVServiceError):
+                log.error("session request %d failed", request.id, exc_info=exc)
+            envelope = to_remote_error(exc, new_request_id(), NO_TRANSFER)
+            return pb.SessionResponse(id=request.id, error=envelope)
 
     @rpc(pb.GetServerInfoResponse)
     def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:
@@ -668,6 +846,15 @@ def _ranks_descriptor(request: pb.MapRequest) -> bytes:
     return key.SerializeToString(deterministic=True)
 
 
+def _quota_exceeded(tenant: Tenant, quota: str, used: int, limit: int) -> CapacityExhausted:
+    return CapacityExhausted(
+        f"tenant {tenant.name} is at its {quota} quota ({used} of {limit})",
+        reason="TENANT_QUOTA_EXCEEDED",
+        metadata={"quota": quota, "used": used, "limit": limit},
+        retryable=quota == "max_inflight",
+    )
+
+
 def _check_keys(keys: list[bytes]) -> None:
     for i, key in enumerate(keys):
         if not key:
@@ -680,7 +867,8 @@ def _check_keys(keys: list[bytes]) -> None:
             )
 
 
-def _check_namespace(namespace: str) -> None:
+def _check_namespace(namespace: str, call: Call) -> str:
+    """The store's name for the caller's ``namespace``, if valid and granted to it."""
     if not namespace:
         raise InvalidRequest("namespace is required", metadata={"field": "namespace"})
     size = len(namespace.encode())
@@ -690,6 +878,8 @@ def _check_namespace(namespace: str) -> None:
             reason="NAMESPACE_TOO_LONG",
             metadata={"namespaceBytes": size, "maxNamespaceBytes": MAX_NAMESPACE_BYTES},
         )
+    call.tenant.check_namespace(namespace)
+    return call.tenant.scoped(namespace)
 
 
 def _timestamp(t: float) -> timestamp_pb2.Timestamp:

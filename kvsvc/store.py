@@ -20,6 +20,7 @@ import bisect
 import ctypes
 import mmap
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,8 @@ class Chunk:
     readers: int = 0
     alloc_size: int = field(default=0)
     meta_size: int = field(default=0)
+    #: the tenant whose Store made it (kvsvc.auth): eviction weighs it by its share
+    owner: str = ""
 
     @property
     def charged(self) -> int:
@@ -95,6 +98,10 @@ class ChunkStore:
         #: (namespace, key) -> number of layouts it is committed in (Lookup by namespace)
         self._keys: dict[tuple[str, bytes], int] = {}
         self.used_bytes = 0  # reserved and committed chunks, metadata included
+        #: bytes each owner holds, and the shares (bytes) of owners that have one:
+        #: eviction takes from owners over their share first
+        self.used_by: dict[str, int] = {}
+        self.shares: dict[str, int] = {}
         self.evicted_total = 0
         self.checksum_failures = 0
 
@@ -146,7 +153,8 @@ class ChunkStore:
         return ChunkBuffer(
             view=self.view[chunk.offset : chunk.offset + chunk.size],
             addr=self.base + chunk.offset,
-            tensor=self.tensor[chunk.offset : chunk.offset + chunk.size],
+            store_tensor=self.tensor,
+            offset=chunk.offset,
             namespace=chunk.key[0],
             key=chunk.key[1],
             expected=chunk.digests,
@@ -158,7 +166,7 @@ class ChunkStore:
 
     # --- writes ---
     def reserve(
-        self, namespace: str, wants: list[tuple[bytes, int]], layout: str
+        self, namespace: str, wants: list[tuple[bytes, int]], layout: str, owner: str = ""
     ) -> tuple[list[Chunk], int]:
         """Allocate space for every (key, size) of one request, or for none.
 
@@ -179,7 +187,11 @@ class ChunkStore:
             )
         free = list(self._free)
         used = self.used_bytes
-        candidates = (c for c in self._chunks.values() if c.readers == 0)  # LRU first
+        candidates = (
+            self._share_order(owner, sum(allocs) + sum(metas))
+            if self.shares
+            else (c for c in self._chunks.values() if c.readers == 0)  # LRU first
+        )
         victims: list[Chunk] = []
         offsets: list[int] = []
         for alloc, meta in zip(allocs, metas, strict=True):
@@ -208,10 +220,38 @@ class ChunkStore:
             self._forget(victim)
         self.evicted_total += len(victims)
         self.used_bytes += need
+        self.used_by[owner] = self.used_by.get(owner, 0) + need
         return [
-            Chunk((namespace, key, layout), offset, size, layout, alloc_size=alloc, meta_size=meta)
+            Chunk(
+                (namespace, key, layout),
+                offset,
+                size,
+                layout,
+                alloc_size=alloc,
+                meta_size=meta,
+                owner=owner,
+            )
             for (key, size), offset, alloc, meta in zip(wants, offsets, allocs, metas, strict=True)
         ], len(victims)
+
+    def _share_order(self, requester: str, need: int) -> Iterator[Chunk]:
+        """Eviction candidates when tenants have shares: least recently used first
+        among owners over their share (the requester counted with what it asks
+        for), then the rest by LRU. A tenant within its share loses chunks only once
+        no one is over theirs (shares that add up to more than the store)."""
+        held = dict(self.used_by)
+        held[requester] = held.get(requester, 0) + need
+        taken: set[int] = set()
+        while True:
+            over = {o for o, n in held.items() if n > self.shares.get(o, self.capacity)}
+            free = [c for c in self._chunks.values() if c.readers == 0 and id(c) not in taken]
+            # Over-share owners first; if all theirs are being read, plain LRU.
+            pick = next((c for c in free if c.owner in over), free[0] if free else None)
+            if pick is None:
+                return
+            taken.add(id(pick))
+            held[pick.owner] = held.get(pick.owner, 0) - pick.charged
+            yield pick
 
     def commit(self, chunk: Chunk, digests: list[int]) -> bool:
         """Publish a written chunk; False (and freed) if an equal key won the race."""
@@ -228,6 +268,7 @@ class ChunkStore:
     def abort(self, chunk: Chunk) -> None:
         _free_range(self._free, chunk.offset, chunk.alloc_size)
         self.used_bytes -= chunk.charged
+        self.used_by[chunk.owner] -= chunk.charged
 
     def _forget(self, chunk: Chunk) -> None:
         """Unlist an evicted chunk (its range is already back in the free list)."""
@@ -238,6 +279,7 @@ class ChunkStore:
         else:
             self._keys[pair] -= 1
         self.used_bytes -= chunk.charged
+        self.used_by[chunk.owner] -= chunk.charged
 
 
 # --- allocator: sorted free list of (offset, size), first fit, coalescing ---

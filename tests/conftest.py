@@ -96,7 +96,12 @@ class ServerProcess:
     """`kvsvc serve` as a subprocess: the command users run."""
 
     def __init__(
-        self, shm_dir: Path, *args: str, env: dict[str, str] | None = None, port: int = 0
+        self,
+        shm_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.log_path = shm_dir.parent / f"server-{time.monotonic_ns()}.log"
         self.log = open(self.log_path, "w+")  # noqa: SIM115
@@ -108,7 +113,7 @@ class ServerProcess:
                 "kvsvc",
                 "serve",
                 "--listen",
-                f"127.0.0.1:{port}",
+                f"{host}:{port}",
                 "--shm-dir",
                 str(shm_dir),
                 "--store-bytes",
@@ -121,8 +126,8 @@ class ServerProcess:
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            m = re.search(r"serving on 127\.0\.0\.1:(\d+)", self.output())
-            if m:
+            m = re.search(rf"serving on {re.escape(host)}:(\d+)", self.output())
+            if m:  # a wildcard host is reached on loopback
                 self.address = f"127.0.0.1:{m.group(1)}"
                 return
             if self.proc.poll() is not None:
@@ -151,8 +156,10 @@ class ServerProcess:
 def spawn(shm_dir: Path) -> Iterator:
     procs: list[ServerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None, port: int = 0) -> ServerProcess:
-        p = ServerProcess(shm_dir, *args, env=env, port=port)
+    def start(
+        *args: str, env: dict[str, str] | None = None, port: int = 0, host: str = "127.0.0.1"
+    ) -> ServerProcess:
+        p = ServerProcess(shm_dir, *args, env=env, port=port, host=host)
         procs.append(p)
         return p
 

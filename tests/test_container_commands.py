@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvsvc.config import ServerConfig, env_name, parse_server_config
+from kvsvc.config import ServerConfig, check_security, env_name, parse_server_config
 from kvsvc.health import SERVICE_NAME
 from kvsvc.healthprobe import SERVING, probe
 
@@ -197,8 +197,14 @@ def service_env(image: Image, service: dict) -> dict[str, str]:
     environment = service.get("environment") or {}
     if isinstance(environment, list):
         environment = dict(item.split("=", 1) for item in environment)
-    env.update({k: "" if v is None else str(v) for k, v in environment.items()})
+    env.update({k: "" if v is None else compose_default(str(v)) for k, v in environment.items()})
     return env
+
+
+def compose_default(value: str) -> str:
+    """A value as compose interpolates it where none of its variables is set (as in
+    CI): ${VAR:-default} and ${VAR-default} give the default, ${VAR} nothing."""
+    return re.sub(r"\$\{\w+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
 
 
 # --- health, as grpc_health_probe does it ---------------------------------------
@@ -312,6 +318,7 @@ def test_image_and_compose_agree_with_the_server():
     assert IMAGE.user and IMAGE.user.split(":")[0] not in ("0", "root"), IMAGE.user
 
     config = config_from_env(env)
+    check_security(config)  # else `kvsvc serve` refuses to start in the container
     listen_host, listen_port = host_port(config.listen)
     assert listen_host == "0.0.0.0", "the container must listen on all its interfaces"
     assert config.metrics_port > 0, "metrics must be on in the image"
@@ -373,6 +380,7 @@ def pod_env(container: dict, docs: dict[str, list[dict]]) -> dict[str, str]:
 def check_server_container(container: dict, pod: dict, config: ServerConfig) -> None:
     """What every kvsvc server container must be: probes on its port, memory for
     its store, locked down."""
+    check_security(config)  # else `kvsvc serve` refuses to start in the pod
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert host_port(config.listen) == ("0.0.0.0", ports["grpc"])  # the kubelet probes the pod IP
     assert config.metrics_port == ports["metrics"]

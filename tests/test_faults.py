@@ -522,7 +522,11 @@ def test_exit_on_fatal_flips_health_at_once_and_exits_3(spawn) -> None:
 
 
 def test_exit_on_fatal_is_not_held_up_by_a_health_watcher(spawn) -> None:
-    srv = spawn("--exit-on-fatal", env={FP: "transfer.before_copy=raise"})
+    # A long shutdown grace: held up by the watcher, the exit would take all of it;
+    # not held up, it takes seconds even on a loaded host (up to ~6 s seen here).
+    srv = spawn(
+        "--exit-on-fatal", "--shutdown-grace", "120", env={FP: "transfer.before_copy=raise"}
+    )
     with Watcher(srv.address) as w, KVCacheClient(srv.address) as c:
         w.wait_for(SERVING)
         with pytest.raises(FatalServerError):
@@ -530,7 +534,7 @@ def test_exit_on_fatal_is_not_held_up_by_a_health_watcher(spawn) -> None:
         w.wait_for(NOT_SERVING)
         # a subscriber keeps watching (as gRPC client-side health checking does);
         # no copy is in flight, so nothing is left to fence
-        assert srv.wait(3) == 3
+        assert srv.wait(40) == 3
 
 
 # --- the failpoint table itself ---

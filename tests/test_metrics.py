@@ -70,3 +70,16 @@ def test_metrics_show_exact_counts(make_server, shm_dir) -> None:
     assert v("kvsvc_inflight_transfers") == 0
     assert v("kvsvc_serving") == 1
     assert v("kvsvc_seconds_since_last_fatal") == -1
+
+
+def test_lookup_counts_hit_and_missed_chunks(make_server) -> None:
+    """What an engine's connector asks (kvsvc.integrations.vllm): the prefix hit rate."""
+    port = free_port()
+    srv = make_server(metrics_port=port)
+    with KVCacheClient(srv.address) as c:
+        c.put("ns", [(b"a", b"x"), (b"b", b"y")])
+        assert c.lookup([b"a", b"b", b"c", b"d"], namespace="ns") == 2
+        assert c.lookup([b"z", b"a"], namespace="ns") == 0
+    m_ = scrape(port)
+    assert m_[("kvsvc_lookup_chunks_total", (("result", "hit"),))] == 2
+    assert m_[("kvsvc_lookup_chunks_total", (("result", "miss"),))] == 4

@@ -7,13 +7,16 @@ package kvsvc
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
@@ -48,14 +51,31 @@ type Options struct {
 	TransferTimeout time.Duration
 	// ControlTimeout for every other call without a context deadline (0: 5 s).
 	ControlTimeout time.Duration
-	// DialOptions are appended to the defaults (insecure transport, 256 MiB
-	// messages, keepalive the server permits); pass credentials here for TLS.
+	// Token is the bearer token of a server with --auth-token-file, sent as
+	// "authorization: Bearer <token>" metadata on every call ("": none).
+	Token string
+	// TLS, when set, makes the connection TLS with this configuration: the
+	// server's CA in RootCAs, a client certificate in Certificates for mTLS,
+	// ServerName when it differs from the target's host. Nil: plaintext.
+	TLS *tls.Config
+	// DialOptions are appended to the defaults (plaintext or TLS, 256 MiB
+	// messages, keepalive the server permits).
 	DialOptions []grpc.DialOption
 	// FdSocket is the server's fd socket as this process sees it, when not
 	// where the server says (another container mounts the socket directory
 	// elsewhere).
 	FdSocket string
 }
+
+// bearer sends a token with every call; plaintext is allowed (loopback and unix
+// sockets serve it), so it does not require transport security itself.
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return false }
 
 // Client is safe for concurrent use.
 type Client struct {
@@ -89,13 +109,23 @@ func New(target string, opts Options) (*Client, error) {
 	if err := ValidateTimeout(c.controlTimeout, "ControlTimeout"); err != nil {
 		return nil, err
 	}
+	transport := grpc.WithInsecure()
+	if opts.TLS != nil {
+		transport = grpc.WithTransportCredentials(credentials.NewTLS(opts.TLS))
+	}
 	dial := []grpc.DialOption{
-		grpc.WithInsecure(),
+		transport,
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(maxMessageBytes), grpc.MaxCallSendMsgSize(maxMessageBytes)),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
 			Time: 30 * time.Second, Timeout: 10 * time.Second, PermitWithoutStream: false,
 		}),
+	}
+	if opts.Token != "" {
+		if strings.ContainsAny(opts.Token, " \t\r\n") {
+			return nil, errors.New("kvsvc: Token must not contain whitespace")
+		}
+		dial = append(dial, grpc.WithPerRPCCredentials(bearer(opts.Token)))
 	}
 	conn, err := grpc.Dial(target, append(dial, opts.DialOptions...)...)
 	if err != nil {

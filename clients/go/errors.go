@@ -109,6 +109,10 @@ type (
 	CudaUnavailable struct{ *KVServiceError }
 	// CapacityExhausted: the chunk store cannot hold the data.
 	CapacityExhausted struct{ *KVServiceError }
+	// PermissionDenied: the caller's tenant may not do this; nothing is said about what exists.
+	PermissionDenied struct{ *KVServiceError }
+	// Unauthenticated: no valid credentials (a missing, unknown or expired token).
+	Unauthenticated struct{ *KVServiceError }
 	// Unimplemented: the server does not implement the call.
 	Unimplemented struct{ *KVServiceError }
 	// DeadlineExceeded: the call's deadline passed.
@@ -142,7 +146,8 @@ type class struct {
 // classOrder is errors.py's declaration order: the first class declared for a code is its default.
 var classOrder = []string{
 	"InvalidRequest", "UnsupportedRequest", "MalformedRequest", "LayoutMismatch", "NotFound", "Miss",
-	"MappingLost", "CudaUnavailable", "CapacityExhausted", "Unimplemented", "DeadlineExceeded",
+	"MappingLost", "CudaUnavailable", "CapacityExhausted", "PermissionDenied", "Unauthenticated",
+	"Unimplemented", "DeadlineExceeded",
 	"Cancelled", "ServiceUnavailable",
 	"ServiceNotServing", "TransferUnprovable", "RegionUnavailable", "RemoteHandlerError",
 	"DataLoss", "FatalServerError",
@@ -158,6 +163,8 @@ var classes = map[string]class{
 	"MappingLost":        {"NotFound", codes.NotFound, "MAPPING_NOT_FOUND", false, func(e *KVServiceError) error { return &MappingLost{e} }},
 	"CudaUnavailable":    {"", codes.FailedPrecondition, "CUDA_UNAVAILABLE", false, func(e *KVServiceError) error { return &CudaUnavailable{e} }},
 	"CapacityExhausted":  {"", codes.ResourceExhausted, "CAPACITY_EXHAUSTED", false, func(e *KVServiceError) error { return &CapacityExhausted{e} }},
+	"PermissionDenied":   {"", codes.PermissionDenied, "PERMISSION_DENIED", false, func(e *KVServiceError) error { return &PermissionDenied{e} }},
+	"Unauthenticated":    {"", codes.Unauthenticated, "UNAUTHENTICATED", false, func(e *KVServiceError) error { return &Unauthenticated{e} }},
 	"Unimplemented":      {"", codes.Unimplemented, "UNIMPLEMENTED", false, func(e *KVServiceError) error { return &Unimplemented{e} }},
 	"DeadlineExceeded":   {"", codes.DeadlineExceeded, "DEADLINE_EXCEEDED", false, func(e *KVServiceError) error { return &DeadlineExceeded{e} }},
 	"Cancelled":          {"", codes.Canceled, "CANCELLED", false, func(e *KVServiceError) error { return &Cancelled{e} }},
@@ -232,6 +239,14 @@ func (e *KVServiceError) As(target interface{}) bool {
 	case **CapacityExhausted:
 		if ok = e.IsClass("CapacityExhausted"); ok {
 			*t = &CapacityExhausted{e}
+		}
+	case **PermissionDenied:
+		if ok = e.IsClass("PermissionDenied"); ok {
+			*t = &PermissionDenied{e}
+		}
+	case **Unauthenticated:
+		if ok = e.IsClass("Unauthenticated"); ok {
+			*t = &Unauthenticated{e}
 		}
 	case **Unimplemented:
 		if ok = e.IsClass("Unimplemented"); ok {

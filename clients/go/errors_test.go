@@ -58,6 +58,12 @@ func asClass(err error, name string) bool {
 	case "CapacityExhausted":
 		var t *CapacityExhausted
 		return errors.As(err, &t)
+	case "PermissionDenied":
+		var t *PermissionDenied
+		return errors.As(err, &t)
+	case "Unauthenticated":
+		var t *Unauthenticated
+		return errors.As(err, &t)
 	case "Unimplemented":
 		var t *Unimplemented
 		return errors.As(err, &t)
@@ -110,7 +116,7 @@ func TestEveryClassByReasonWithItsAncestors(t *testing.T) {
 		"DataLoss":           {"RemoteHandlerError"},
 		"FatalServerError":   {"RemoteHandlerError"},
 	}
-	if len(Classes()) != 19 {
+	if len(Classes()) != 21 {
 		t.Fatalf("%d classes", len(Classes()))
 	}
 	for _, name := range Classes() {
@@ -153,7 +159,8 @@ func TestUnknownReasonFallsBackToCode(t *testing.T) {
 		pb.Code_CODE_INTERNAL:            "*kvsvc.RemoteHandlerError",
 		pb.Code_CODE_UNKNOWN:             "*kvsvc.RemoteHandlerError",
 		pb.Code_CODE_DATA_LOSS:           "*kvsvc.DataLoss",
-		pb.Code_CODE_PERMISSION_DENIED:   "*kvsvc.KVServiceError",
+		pb.Code_CODE_PERMISSION_DENIED:   "*kvsvc.PermissionDenied",
+		pb.Code_CODE_UNAUTHENTICATED:     "*kvsvc.Unauthenticated",
 		pb.Code_CODE_UNSPECIFIED:         "*kvsvc.KVServiceError",
 	}
 	for code, want := range cases {
@@ -239,7 +246,8 @@ func TestTransportFailuresMapByCode(t *testing.T) {
 		{codes.Internal, "*kvsvc.KVServiceError", false}, // never RemoteHandlerError: nothing ran
 		{codes.Unknown, "*kvsvc.KVServiceError", false},
 		{codes.DataLoss, "*kvsvc.DataLoss", false},
-		{codes.Unauthenticated, "*kvsvc.KVServiceError", false},
+		{codes.Unauthenticated, "*kvsvc.Unauthenticated", false},
+		{codes.PermissionDenied, "*kvsvc.PermissionDenied", false},
 	}
 	for _, c := range cases {
 		cause := status.Error(c.code, "d")

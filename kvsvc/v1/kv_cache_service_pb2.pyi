@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -1080,3 +1081,98 @@ class GetServerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """One request on a Session stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    LOOKUP_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    RETRIEVE_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client, unique among its pending requests on this stream;
+    the response carries it back.
+    """
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long the server may work on this request (as a unary call's
+        deadline); unset means the server's default deadline.
+        """
+
+    @_builtins.property
+    def lookup(self) -> Global___LookupRequest: ...
+    @_builtins.property
+    def store(self) -> Global___StoreRequest: ...
+    @_builtins.property
+    def retrieve(self) -> Global___RetrieveRequest: ...
+    @_builtins.property
+    def fence(self) -> Global___FenceRequest: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        lookup: Global___LookupRequest | None = ...,
+        store: Global___StoreRequest | None = ...,
+        retrieve: Global___RetrieveRequest | None = ...,
+        fence: Global___FenceRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "lookup", b"lookup", "request", b"request", "retrieve", b"retrieve", "store", b"store", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "lookup", b"lookup", "request", b"request", "retrieve", b"retrieve", "store", b"store", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["lookup", "store", "retrieve", "fence"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """The answer to one SessionRequest: its RPC's response, under its id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LOOKUP_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    RETRIEVE_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def lookup(self) -> Global___LookupResponse: ...
+    @_builtins.property
+    def store(self) -> Global___StoreResponse: ...
+    @_builtins.property
+    def retrieve(self) -> Global___RetrieveResponse: ...
+    @_builtins.property
+    def fence(self) -> Global___FenceResponse: ...
+    @_builtins.property
+    def error(self) -> _error_pb2.RemoteError:
+        """For a request of a kind this server does not know (an unset oneof)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        lookup: Global___LookupResponse | None = ...,
+        store: Global___StoreResponse | None = ...,
+        retrieve: Global___RetrieveResponse | None = ...,
+        fence: Global___FenceResponse | None = ...,
+        error: _error_pb2.RemoteError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence", "lookup", b"lookup", "response", b"response", "retrieve", b"retrieve", "store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence", "id", b"id", "lookup", b"lookup", "response", b"response", "retrieve", b"retrieve", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["lookup", "store", "retrieve", "fence", "error"]  # noqa: Y015
+    _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015

@@ -74,6 +74,11 @@ class KVCacheServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvsvc.v1.KVCacheService/Session',
+                request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -133,6 +138,17 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+        callers that ask often: each request carries its own id and timeout, is
+        handled exactly as its unary RPC (same checks, errors, health, metrics)
+        and answered with that RPC's response under the same id, in any order.
+        The stream's own deadline is the session's life, not a request's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +186,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -366,6 +387,33 @@ class KVCacheService:
             '/kvsvc.v1.KVCacheService/GetServerInfo',
             kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__cache__service__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsvc.v1.KVCacheService/Session',
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

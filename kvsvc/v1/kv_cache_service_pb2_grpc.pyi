@@ -52,6 +52,13 @@ class KVCacheServiceStub:
     """Returns once no copy of a mapping or of the listed transfers is running."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.GetServerInfoRequest, _kv_cache_service_pb2.GetServerInfoResponse]
     """Reports version, restart identity, capacity, usage and health."""
+    Session: _grpc.StreamStreamMultiCallable[_kv_cache_service_pb2.SessionRequest, _kv_cache_service_pb2.SessionResponse]
+    """One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+    callers that ask often: each request carries its own id and timeout, is
+    handled exactly as its unary RPC (same checks, errors, health, metrics)
+    and answered with that RPC's response under the same id, in any order.
+    The stream's own deadline is the session's life, not a request's.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -77,6 +84,13 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     """Returns once no copy of a mapping or of the listed transfers is running."""
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.GetServerInfoRequest, _kv_cache_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Reports version, restart identity, capacity, usage and health."""
+    Session: _aio.StreamStreamMultiCallable[_kv_cache_service_pb2.SessionRequest, _kv_cache_service_pb2.SessionResponse]  # type: ignore[assignment]
+    """One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+    callers that ask often: each request carries its own id and timeout, is
+    handled exactly as its unary RPC (same checks, errors, health, metrics)
+    and answered with that RPC's response under the same id, in any order.
+    The stream's own deadline is the session's life, not a request's.
+    """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """Moves KV-cache blocks between inference-engine workers and a cache server.
@@ -141,5 +155,18 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kv_cache_service_pb2.GetServerInfoResponse, _abc.Awaitable[_kv_cache_service_pb2.GetServerInfoResponse]]:
         """Reports version, restart identity, capacity, usage and health."""
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kv_cache_service_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kv_cache_service_pb2.SessionResponse], _abc.AsyncIterator[_kv_cache_service_pb2.SessionResponse]]:
+        """One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+        callers that ask often: each request carries its own id and timeout, is
+        handled exactly as its unary RPC (same checks, errors, health, metrics)
+        and answered with that RPC's response under the same id, in any order.
+        The stream's own deadline is the session's life, not a request's.
+        """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -203,3 +203,19 @@ def test_check_listen_refuses_a_port_in_use_in_one_line() -> None:
         with pytest.raises(ConfigError, match=r"\(--metrics-port\)"):
             check_listen(ServerConfig(listen="127.0.0.1:0", metrics_port=port))
     check_listen(ServerConfig(listen="127.0.0.1:0"))  # a free port: nothing to say
+
+
+def test_vllm_connector_config_keys_env_and_validation() -> None:
+    """kv_connector_extra_config wins over KVSVC_VLLM_* env; a typo is an error."""
+    from kvsvc.config import VllmConnectorConfig
+
+    env = {"KVSVC_VLLM_TARGET": "10.0.0.1:1", "KVSVC_VLLM_LOOKUP_TIMEOUT_S": "0.02"}
+    cfg = VllmConnectorConfig.parse({"blocks_per_chunk": 4}, env)
+    assert (cfg.target, cfg.lookup_timeout_s, cfg.blocks_per_chunk) == ("10.0.0.1:1", 0.02, 4)
+    assert VllmConnectorConfig.parse({"target": "h:2"}, env).target == "h:2"
+    assert VllmConnectorConfig.parse(None, {}) == VllmConnectorConfig()
+    with pytest.raises(ValueError, match="unknown keys \\['lookup_timeout'\\]"):
+        VllmConnectorConfig.parse({"lookup_timeout": 1}, {})
+    for bad in ({"load_timeout_s": 0}, {"fence_timeout_s": float("inf")}, {"blocks_per_chunk": 0}):
+        with pytest.raises(ValueError):
+            VllmConnectorConfig.parse(bad, {})

@@ -132,6 +132,7 @@ def test_remote_settings() -> None:
     assert ServerConfig().remote == "off"
     for ok in ("off", "redis://h:6379/2", "rediss://user@h:6380", "rediss+cluster://h"):
         assert _remote_url(ok) == ok
+    assert _remote_url("") == "off"  # KVSVC_REMOTE set to nothing (compose pass-through)
     for bad in ("http://h", "redis://", "h:6379", "redis://user:pw@h:6379"):
         with pytest.raises(argparse.ArgumentTypeError) as ei:
             _remote_url(bad)

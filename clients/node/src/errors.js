@@ -108,6 +108,10 @@ const MappingLost = define('MappingLost', NotFound, 'NOT_FOUND', 'MAPPING_NOT_FO
 /** A CUDA IPC handle reached a server that has no CUDA: no retry can help here. */
 const CudaUnavailable = define('CudaUnavailable', KVServiceError, 'FAILED_PRECONDITION', 'CUDA_UNAVAILABLE');
 const CapacityExhausted = define('CapacityExhausted', KVServiceError, 'RESOURCE_EXHAUSTED', 'CAPACITY_EXHAUSTED');
+/** The caller's tenant may not do this; the message never says what exists. */
+const PermissionDenied = define('PermissionDenied', KVServiceError, 'PERMISSION_DENIED', 'PERMISSION_DENIED');
+/** No valid credentials (a missing, unknown or expired token). */
+const Unauthenticated = define('Unauthenticated', KVServiceError, 'UNAUTHENTICATED', 'UNAUTHENTICATED');
 const Unimplemented = define('Unimplemented', KVServiceError, 'UNIMPLEMENTED', 'UNIMPLEMENTED');
 // --- deadlines and transport ---
 const DeadlineExceeded = define('DeadlineExceeded', KVServiceError, 'DEADLINE_EXCEEDED', 'DEADLINE_EXCEEDED');
@@ -132,7 +136,7 @@ const FatalServerError = define('FatalServerError', RemoteHandlerError, 'INTERNA
 // errors.py's declaration order: the first class declared for a code is its default.
 const CLASSES = [
   InvalidRequest, UnsupportedRequest, MalformedRequest, LayoutMismatch, NotFound, Miss, MappingLost,
-  CudaUnavailable, CapacityExhausted, Unimplemented, DeadlineExceeded, Cancelled, ServiceUnavailable,
+  CudaUnavailable, CapacityExhausted, PermissionDenied, Unauthenticated, Unimplemented, DeadlineExceeded, Cancelled, ServiceUnavailable,
   ServiceNotServing, TransferUnprovable, RegionUnavailable, RemoteHandlerError, DataLoss,
   FatalServerError,
 ];
@@ -242,6 +246,8 @@ module.exports = {
   MappingLost,
   CudaUnavailable,
   CapacityExhausted,
+  PermissionDenied,
+  Unauthenticated,
   Unimplemented,
   DeadlineExceeded,
   Cancelled,

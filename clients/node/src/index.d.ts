@@ -11,6 +11,10 @@ export interface ClientOptions {
   /** Default seconds for every other call (5). */
   controlDeadline?: number;
   credentials?: ChannelCredentials;
+  /** Bearer token of a server with --auth-token-file (sent on every call, never logged). */
+  token?: string;
+  /** TLS: server CA, client certificate/key for mTLS (Buffers, PEM text or file paths). */
+  tls?: { ca?: Buffer | string; cert?: Buffer | string; key?: Buffer | string; serverName?: string };
   channelOptions?: Record<string, unknown>;
   /** Directory holding kvsvc/v1/*.proto (default: the repository's proto/, or $KVSVC_PROTO_DIR). */
   protoDir?: string;
@@ -127,6 +131,8 @@ export class Miss extends NotFound {}
 export class MappingLost extends NotFound {}
 export class CudaUnavailable extends KVServiceError {}
 export class CapacityExhausted extends KVServiceError {}
+export class PermissionDenied extends KVServiceError {}
+export class Unauthenticated extends KVServiceError {}
 export class Unimplemented extends KVServiceError {}
 export class DeadlineExceeded extends KVServiceError {}
 export class Cancelled extends KVServiceError {}

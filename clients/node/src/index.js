@@ -103,13 +103,46 @@ function toDate(ts) {
   return new Date(Number(ts.seconds) * 1000 + Math.floor(Number(ts.nanos) / 1e6));
 }
 
+/** PEM bytes: a Buffer, PEM text, or a path to a PEM file. */
+function pem(value) {
+  if (value == null) return null;
+  if (Buffer.isBuffer(value)) return value;
+  if (typeof value === 'string') return value.includes('-----BEGIN') ? Buffer.from(value) : fs.readFileSync(value);
+  throw new TypeError('a TLS certificate or key is a Buffer, PEM text or a file path');
+}
+
+function tlsCredentials(tls) {
+  if (tls == null) return grpc.credentials.createInsecure();
+  if ((tls.cert == null) !== (tls.key == null)) throw new TypeError('tls.cert and tls.key go together');
+  return grpc.credentials.createSsl(pem(tls.ca), pem(tls.key), pem(tls.cert));
+}
+
+/** A fresh Metadata per call (grpc-js may add to it), carrying the bearer token if any. */
+function bearerMetadata(token) {
+  if (token === undefined || token === null) return () => new grpc.Metadata();
+  if (typeof token !== 'string' || !token || /[\s]/.test(token)) {
+    throw new TypeError('token must be a non-empty string without whitespace');
+  }
+  return () => {
+    const md = new grpc.Metadata();
+    md.set('authorization', `Bearer ${token}`);
+    return md;
+  };
+}
+
 class KVClient {
   /**
    * @param {string} address host:port of a kvsvc server (e.g. "127.0.0.1:50051")
    * @param {object} [options]
    * @param {number} [options.transferDeadline=30] default seconds for Store/Retrieve/Unmap/Fence
    * @param {number} [options.controlDeadline=5] default seconds for every other call
-   * @param {grpc.ChannelCredentials} [options.credentials] default: insecure
+   * @param {grpc.ChannelCredentials} [options.credentials] default: insecure (or `tls`)
+   * @param {string} [options.token] bearer token of a server with --auth-token-file,
+   *   sent as `authorization: Bearer <token>` metadata on every call (never logged)
+   * @param {{ca?: Buffer|string, cert?: Buffer|string, key?: Buffer|string, serverName?: string}} [options.tls]
+   *   TLS: the CA of the server's certificate (PEM, or a path to one; default: the
+   *   system roots), the client's own certificate and key for mTLS, and the name to
+   *   verify when it differs from the address's host
    * @param {object} [options.channelOptions] extra grpc-js channel options
    * @param {string} [options.protoDir] directory holding kvsvc/v1/*.proto
    */
@@ -124,8 +157,10 @@ class KVClient {
     this.controlDeadline = validateDeadline(options.controlDeadline === undefined
       ? DEFAULT_CONTROL_DEADLINE_S : options.controlDeadline, 'controlDeadline');
     const services = loadServices(options.protoDir ?? defaultProtoDir());
-    const creds = options.credentials ?? grpc.credentials.createInsecure();
+    const creds = options.credentials ?? tlsCredentials(options.tls);
     const channelOptions = { ...CHANNEL_OPTIONS, ...(options.channelOptions ?? {}) };
+    if (options.tls?.serverName) channelOptions['grpc.ssl_target_name_override'] = options.tls.serverName;
+    this._metadata = bearerMetadata(options.token);
     this._stub = new services.KVCacheService(address, creds, channelOptions);
     // Health shares the channel (and so the connection) of the service stub.
     this._health = new services.Health(address, creds, {
@@ -164,7 +199,8 @@ class KVClient {
     const transfer = (method === 'Store' || method === 'Retrieve') && request.blocks != null;
     const seconds = this._deadlineSeconds(opts, LONG_CALLS.has(method));
     const header = { envelopeVersion: ENVELOPE_VERSION, ...(request.header ?? {}) };
-    if (!header.requestId) header.requestId = crypto.randomUUID();
+    // 128 random bits: a transfer id a Fence names must not be guessable.
+    if (!header.requestId) header.requestId = crypto.randomBytes(16).toString('hex');
     const req = { ...request, header };
     const deadlineMs = Date.now() + seconds * 1000;
     const context = { method, requestId: header.requestId, transfer };
@@ -179,7 +215,7 @@ class KVClient {
     }
     const response = await new Promise((resolve, reject) => {
       let onAbort;
-      const call = this._stub[method](req, { deadline: deadlineMs }, (err, resp) => {
+      const call = this._stub[method](req, this._metadata(), { deadline: deadlineMs }, (err, resp) => {
         if (onAbort) opts.signal.removeEventListener('abort', onAbort);
         if (err) {
           // A failed pick ("No connection established") proves nothing was sent.
@@ -315,7 +351,7 @@ class KVClient {
   async healthCheck(service = '', opts = {}) {
     const seconds = this._deadlineSeconds(opts, false);
     return new Promise((resolve, reject) => {
-      this._health.Check({ service }, { deadline: Date.now() + seconds * 1000 }, (err, resp) => {
+      this._health.Check({ service }, this._metadata(), { deadline: Date.now() + seconds * 1000 }, (err, resp) => {
         if (err) reject(fromGrpcError(err, { method: 'Health.Check' }));
         else resolve(resp.status);
       });

@@ -29,6 +29,8 @@ test('every class is chosen by its reason, and keeps its place in the hierarchy'
     MAPPING_NOT_FOUND: [kv.MappingLost, kv.NotFound],
     CUDA_UNAVAILABLE: [kv.CudaUnavailable],
     CAPACITY_EXHAUSTED: [kv.CapacityExhausted],
+    PERMISSION_DENIED: [kv.PermissionDenied],
+    UNAUTHENTICATED: [kv.Unauthenticated],
     UNIMPLEMENTED: [kv.Unimplemented],
     DEADLINE_EXCEEDED: [kv.DeadlineExceeded],
     CANCELLED: [kv.Cancelled],
@@ -67,7 +69,8 @@ test('an unknown reason falls back to the class of the code', () => {
     CODE_INTERNAL: kv.RemoteHandlerError,
     CODE_UNKNOWN: kv.RemoteHandlerError,
     CODE_DATA_LOSS: kv.DataLoss,
-    CODE_PERMISSION_DENIED: kv.KVServiceError,
+    CODE_PERMISSION_DENIED: kv.PermissionDenied,
+    CODE_UNAUTHENTICATED: kv.Unauthenticated,
     CODE_UNSPECIFIED: kv.KVServiceError,
   };
   for (const [code, cls] of Object.entries(cases)) {
@@ -145,7 +148,8 @@ test('transport failures map by code with a TRANSPORT_ reason, as from_grpc_erro
     [status.INTERNAL, kv.KVServiceError, false], // never RemoteHandlerError: nothing ran
     [status.UNKNOWN, kv.KVServiceError, false],
     [status.DATA_LOSS, kv.DataLoss, false],
-    [status.UNAUTHENTICATED, kv.KVServiceError, false],
+    [status.UNAUTHENTICATED, kv.Unauthenticated, false],
+    [status.PERMISSION_DENIED, kv.PermissionDenied, false],
   ];
   for (const [code, cls, retryable] of cases) {
     const e = kv.fromGrpcError({ code, details: 'd' }, { requestId: 'r', method: 'Lookup' });

@@ -85,6 +85,10 @@ KVSVC_ERROR_CLASS(MappingLost, NotFound)
 KVSVC_ERROR_CLASS(CudaUnavailable, KVServiceError)
 // The chunk store cannot hold the data.
 KVSVC_ERROR_CLASS(CapacityExhausted, KVServiceError)
+// The caller's tenant may not do this; nothing is said about what exists.
+KVSVC_ERROR_CLASS(PermissionDenied, KVServiceError)
+// No valid credentials (a missing, unknown or expired token).
+KVSVC_ERROR_CLASS(Unauthenticated, KVServiceError)
 // The server does not implement the call.
 KVSVC_ERROR_CLASS(Unimplemented, KVServiceError)
 // The call's deadline passed.

@@ -31,6 +31,12 @@ type KVCacheServiceClient interface {
 	Fence(ctx context.Context, in *FenceRequest, opts ...grpc.CallOption) (*FenceResponse, error)
 	// Reports version, restart identity, capacity, usage and health.
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*GetServerInfoResponse, error)
+	// One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+	// callers that ask often: each request carries its own id and timeout, is
+	// handled exactly as its unary RPC (same checks, errors, health, metrics)
+	// and answered with that RPC's response under the same id, in any order.
+	// The stream's own deadline is the session's life, not a request's.
+	Session(ctx context.Context, opts ...grpc.CallOption) (KVCacheService_SessionClient, error)
 }
 
 type kVCacheServiceClient struct {
@@ -104,6 +110,37 @@ func (c *kVCacheServiceClient) GetServerInfo(ctx context.Context, in *GetServerI
 	return out, nil
 }
 
+func (c *kVCacheServiceClient) Session(ctx context.Context, opts ...grpc.CallOption) (KVCacheService_SessionClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_KVCacheService_serviceDesc.Streams[0], "/kvsvc.v1.KVCacheService/Session", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &kVCacheServiceSessionClient{stream}
+	return x, nil
+}
+
+type KVCacheService_SessionClient interface {
+	Send(*SessionRequest) error
+	Recv() (*SessionResponse, error)
+	grpc.ClientStream
+}
+
+type kVCacheServiceSessionClient struct {
+	grpc.ClientStream
+}
+
+func (x *kVCacheServiceSessionClient) Send(m *SessionRequest) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *kVCacheServiceSessionClient) Recv() (*SessionResponse, error) {
+	m := new(SessionResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 // KVCacheServiceServer is the server API for KVCacheService service.
 // All implementations must embed UnimplementedKVCacheServiceServer
 // for forward compatibility
@@ -122,6 +159,12 @@ type KVCacheServiceServer interface {
 	Fence(context.Context, *FenceRequest) (*FenceResponse, error)
 	// Reports version, restart identity, capacity, usage and health.
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error)
+	// One engine's stream of Lookup, Store, Retrieve and Fence requests, for
+	// callers that ask often: each request carries its own id and timeout, is
+	// handled exactly as its unary RPC (same checks, errors, health, metrics)
+	// and answered with that RPC's response under the same id, in any order.
+	// The stream's own deadline is the session's life, not a request's.
+	Session(KVCacheService_SessionServer) error
 	mustEmbedUnimplementedKVCacheServiceServer()
 }
 
@@ -149,6 +192,9 @@ func (UnimplementedKVCacheServiceServer) Fence(context.Context, *FenceRequest) (
 }
 func (UnimplementedKVCacheServiceServer) GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetServerInfo not implemented")
+}
+func (UnimplementedKVCacheServiceServer) Session(KVCacheService_SessionServer) error {
+	return status.Errorf(codes.Unimplemented, "method Session not implemented")
 }
 func (UnimplementedKVCacheServiceServer) mustEmbedUnimplementedKVCacheServiceServer() {}
 
@@ -289,6 +335,32 @@ func _KVCacheService_GetServerInfo_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVCacheService_Session_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(KVCacheServiceServer).Session(&kVCacheServiceSessionServer{stream})
+}
+
+type KVCacheService_SessionServer interface {
+	Send(*SessionResponse) error
+	Recv() (*SessionRequest, error)
+	grpc.ServerStream
+}
+
+type kVCacheServiceSessionServer struct {
+	grpc.ServerStream
+}
+
+func (x *kVCacheServiceSessionServer) Send(m *SessionResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *kVCacheServiceSessionServer) Recv() (*SessionRequest, error) {
+	m := new(SessionRequest)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "kvsvc.v1.KVCacheService",
 	HandlerType: (*KVCacheServiceServer)(nil),
@@ -322,6 +394,13 @@ var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 			Handler:    _KVCacheService_GetServerInfo_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Session",
+			Handler:       _KVCacheService_Session_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+	},
 	Metadata: "kvsvc/v1/kv_cache_service.proto",
 }

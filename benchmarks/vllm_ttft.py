@@ -1,0 +1,188 @@
+"""Time to first token with the vLLM connector: a full kvsvc hit vs recompute (no
+connector), and what a miss adds over no connector, in one run.
+
+Runs in the vLLM venv (``make vllm`` makes it)::
+
+    .venv-vllm/bin/python -m benchmarks.vllm_ttft [--lengths 1024,2048,4096] [--reps 3]
+
+A random Llama large enough that prefill costs real time on CPU (8 layers, hidden
+1024, 8 KV heads, bf16) is built in a temp dir. Two engine processes run one after
+the other on the same prompt lengths: one without a connector (recompute), one with
+KvsvcConnector against a `kvsvc serve` started here. For each length and repetition,
+the connector engine sees a fresh prompt twice: the first is a miss (computed, then
+stored), the second a hit (loaded). TTFT is the wall time of ``generate`` with
+``max_tokens=1`` (offline: prefill plus one sampled token). Prints a markdown table
+and writes JSON to bench-results/vllm_ttft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 128
+
+
+def make_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=2816,
+        max_position_embeddings=8192,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def engine(args: argparse.Namespace) -> None:
+    """One engine process: times each prompt of the plan, writes JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    plan = json.loads(Path(args.plan).read_text())
+    kwargs: dict[str, Any] = {}
+    if plan["target"]:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvsvcConnector",
+            kv_connector_module_path="kvsvc.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"target": plan["target"]},
+        )
+    llm = LLM(
+        model=plan["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.15,
+        max_model_len=8192,
+        max_num_seqs=1,
+        **kwargs,
+    )
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=[1] * 200)], params)  # warm-up
+    out = []
+    for item in plan["runs"]:
+        t0 = time.perf_counter()
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=item["prompt"])], params)
+        seconds = time.perf_counter() - t0
+        out.append(
+            {
+                "kind": item["kind"],
+                "length": len(item["prompt"]),
+                "seconds": seconds,
+                "cached": int(o.num_cached_tokens or 0),
+            }
+        )
+        print(f"bench: {item['kind']} {len(item['prompt'])} tokens: {seconds:.3f} s", flush=True)
+        if item.get("wait_stored"):
+            time.sleep(item["wait_stored"])  # stores are asynchronous
+    Path(args.out).write_text(json.dumps(out))
+    del llm  # vLLM's shutdown ends its engine core
+
+
+def run_engine(tmp: Path, name: str, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    plan_path, out_path = tmp / f"{name}.plan.json", tmp / f"{name}.out.json"
+    plan_path.write_text(json.dumps(plan))
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    cmd = [sys.executable, "-m", "benchmarks.vllm_ttft", "--engine", str(plan_path), str(out_path)]
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=3600)
+    return list(json.loads(out_path.read_text()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--engine", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine:
+        args.plan, args.out = args.engine
+        engine(args)
+        return
+    from benchmarks.common import KvsvcServer
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1, 2000) for _ in range(n + 1)]  # +1: full blocks all hit
+
+    with tempfile.TemporaryDirectory(prefix="kvsvc-vllm-bench-") as d:
+        tmp = Path(d)
+        make_model(tmp / "model")
+        recompute = run_engine(
+            tmp,
+            "recompute",
+            {
+                "model": str(tmp / "model"),
+                "target": "",
+                "runs": [
+                    {"kind": "recompute", "prompt": prompt(n)}
+                    for _ in range(args.reps)
+                    for n in lengths
+                ],
+            },
+        )
+        runs = []
+        for _ in range(args.reps):
+            for n in lengths:
+                q = prompt(n)
+                runs += [
+                    {"kind": "miss", "prompt": q, "wait_stored": 2.0},
+                    {"kind": "hit", "prompt": q},
+                ]
+        with KvsvcServer(store_bytes="4G", shm_dir=str(tmp)) as server:
+            connector = run_engine(
+                tmp, "kvsvc", {"model": str(tmp / "model"), "target": server.address, "runs": runs}
+            )
+    rows = []
+    results: dict[str, Any] = {"lengths": lengths, "reps": args.reps, "rows": rows}
+    print("\n| prompt tokens | recompute (no connector) s | kvsvc miss s | kvsvc hit s |"
+          " hit speed-up | miss overhead |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for n in lengths:
+
+        def med(kind: str, src: list[dict[str, Any]], n: int = n) -> float:
+            return statistics.median(r["seconds"] for r in src if r["kind"] == kind and
+                                     r["length"] == n + 1)  # fmt: skip
+
+        rc, miss, hit = med("recompute", recompute), med("miss", connector), med("hit", connector)
+        cached = [r["cached"] for r in connector if r["kind"] == "hit" and r["length"] == n + 1]
+        row = {"tokens": n, "recompute_s": rc, "miss_s": miss, "hit_s": hit, "hit_cached": cached}
+        rows.append(row)
+        print(f"| {n} | {rc:.3f} | {miss:.3f} | {hit:.3f} | {rc / hit:.1f}x |"
+              f" {100 * (miss / rc - 1):+.1f}% |")  # fmt: skip
+    out = REPO / "bench-results" / "vllm_ttft.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nhit loaded tokens per run: {[r['hit_cached'] for r in rows]}; JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The checksum of the copy path: the native copy loop (kvsvc/native, built by
+``make``) and the ``crc32c`` package it falls back to must give the same CRC-32C
+for every length and alignment, on the CPU instruction and on tables, and a native
+copy must leave the GIL to other threads while it runs."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvsvc import copies
+
+# Lengths around every boundary of the native loop: 8-byte words, the three
+# interleaved 256-byte and 8 KiB streams, a segment.
+LENGTHS = [0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 5]
+LENGTHS += [copies.SEGMENT_BYTES, copies.SEGMENT_BYTES + 13, 3_000_001]
+
+
+@pytest.fixture(scope="module")
+def native() -> copies.NativeCopy:
+    assert copies.NATIVE is not None, "the native copy loop is not built: run `make native`"
+    return copies.NATIVE
+
+
+def test_the_store_format_names_its_checksum() -> None:
+    assert (copies.STORE_FORMAT, copies.CHECKSUM_ALGORITHM) == (2, "crc32c")
+    assert copies.checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_native_crc32c_equals_the_package(native: copies.NativeCopy, offset: int) -> None:
+    data = os.urandom(max(LENGTHS) + 8)
+    for n in LENGTHS:
+        part = data[offset : offset + n]
+        want = copies.checksum(part)
+        assert native.crc32c(0, part, n) == want, n
+        assert native.crc32c_tables(0, part, n) == want, n
+
+
+def test_a_native_copy_and_the_python_loop_agree(native: copies.NativeCopy) -> None:
+    """Runs that start and end inside segments, copied both ways by both loops."""
+    size = 3 * copies.SEGMENT_BYTES + 4321
+    engine = np.frombuffer(bytearray(os.urandom(size + 100)), dtype=np.uint8)
+    cuts = [0, 10, 700_000, copies.SEGMENT_BYTES + 5, 2 * copies.SEGMENT_BYTES, size]
+    base = engine.ctypes.data
+    # Chunk bytes [a, b) come from the engine at a scattered place: reversed runs.
+    rows = [(base + 100 + size - b, a, b - a) for a, b in itertools.pairwise(cuts)]
+    runs = np.array(rows, dtype=np.uint64)
+    chunk = np.zeros(size, dtype=np.uint8)
+    nseg = len(copies.segments(size))
+    digests = (ctypes.c_uint32 * nseg)()
+    assert native.copy(runs, chunk.ctypes.data, 0, size, digests, to_store=True) == (-1, 0)
+    expect = b"".join(engine[addr - base : addr - base + n].tobytes() for addr, _, n in rows)
+    assert chunk.tobytes() == expect
+    segs = copies.segments(size)
+    assert list(digests) == [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in segs]
+    # Back out, from segment 1 on, into zeroed engine memory: only those bytes land.
+    engine[:] = 0
+    lo = copies.SEGMENT_BYTES
+    expected = (ctypes.c_uint32 * (nseg - 1))(*digests[1:])
+    assert native.copy(runs, chunk.ctypes.data, lo, size, expected, to_store=False) == (-1, 0)
+    for addr, pos, n in rows:
+        got = engine[addr - base : addr - base + n]
+        want = chunk[pos : pos + n].copy()
+        want[: max(0, lo - pos)] = 0
+        assert np.array_equal(got, want)
+
+
+def test_a_retrieve_checks_each_segment_before_it_copies_it(native: copies.NativeCopy) -> None:
+    size = 3 * copies.SEGMENT_BYTES
+    chunk = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
+    digests = [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in copies.segments(size)]
+    chunk[copies.SEGMENT_BYTES + 77] ^= 0xFF  # segment 1 goes bad in the store
+    engine = np.zeros(size, dtype=np.uint8)
+    runs = np.array([(engine.ctypes.data, 0, size)], dtype=np.uint64)
+    failed, got = native.copy(
+        runs, chunk.ctypes.data, 0, size, (ctypes.c_uint32 * 3)(*digests), to_store=False
+    )
+    assert failed == 1 and got == copies.checksum(chunk[copies.SEGMENT_BYTES : 2 << 20].tobytes())
+    assert np.array_equal(engine[: copies.SEGMENT_BYTES], chunk[: copies.SEGMENT_BYTES])
+    assert not engine[copies.SEGMENT_BYTES :].any()  # the bad segment never reached the engine
+
+
+def test_a_native_copy_lets_other_threads_run(native: copies.NativeCopy) -> None:
+    """While one thread copies, another runs Python: the counter it advances moves
+    during a native call (it cannot if the call holds the GIL)."""
+    size = 64 << 20
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    runs = np.array([(src.ctypes.data, 0, size)], dtype=np.uint64)
+    digests = (ctypes.c_uint32 * len(copies.segments(size)))()
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    moved = []
+    try:
+        for _ in range(20):
+            before = count[0]
+            native.copy(runs, dst.ctypes.data, 0, size, digests, to_store=True)
+            moved.append(count[0] - before)
+            if moved[-1] > 0:
+                break
+    finally:
+        stop.set()
+        spinner.join(10)
+    assert max(moved) > 0, moved
+
+
+def test_a_missing_or_broken_library_means_the_python_loop(tmp_path) -> None:
+    assert copies.load_native(tmp_path / "libkvsvc_copy.so") is None
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(b"not a shared object")
+    assert copies.load_native(bad) is None
