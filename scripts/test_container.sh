@@ -153,6 +153,33 @@ else
 fi
 podman run --rm "$base" true >"$work/run.log" 2>&1 || cannot_run "podman run: $(tail -n 1 "$work/run.log")"
 
+step "redis image"
+# compose's redis service (--profile redis) pulls redis:7.0-alpine for users; here
+# it is Debian's redis-server on the local base (KVSVC_REDIS_IMAGE), made once.
+redis_image=localhost/kvsvc-ci-redis:$SUITE-$key-2
+if podman image exists "$redis_image"; then
+  echo "$redis_image: present"
+else
+  t0=$SECONDS
+  mkdir -p "$work/redis"
+  # As the official image's entrypoint does for a redis-server without a config
+  # file: protected mode off, or redis refuses clients from other containers.
+  printf '%s\n' '#!/bin/sh' \
+    'if [ "$1" = redis-server ]; then shift; exec redis-server "$@" --protected-mode no; fi' \
+    'exec "$@"' >"$work/redis/entrypoint.sh"
+  chmod 0755 "$work/redis/entrypoint.sh"
+  printf '%s\n' "FROM $base" \
+    "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/*" \
+    "COPY entrypoint.sh /usr/local/bin/entrypoint.sh" \
+    'ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]' 'CMD ["redis-server"]' \
+    "USER redis" "WORKDIR /var/lib/redis" >"$work/redis/Containerfile"
+  podman build --format docker -t "$redis_image" "$work/redis" >"$work/redis-build.log" 2>&1 \
+    || { tail -n 20 "$work/redis-build.log"; echo "test-container: building $redis_image failed" >&2; exit 1; }
+  podman images --format '{{.Repository}}:{{.Tag}}' | grep '^localhost/kvsvc-ci-redis:' \
+    | grep -vxF "$redis_image" | xargs -r podman rmi >/dev/null 2>&1 || true
+  echo "$redis_image: made in $((SECONDS - t0)) s"
+fi
+
 step "torch wheel"
 # The CPU wheel pip uses on these machines, from pip's find-links, into the build context.
 wheel=""
@@ -173,7 +200,7 @@ for _ in $(seq 100); do [[ -S $work/podman.sock ]] && break; sleep 0.2; done
 export DOCKER_HOST=unix://$work/podman.sock DOCKER_BUILDKIT=0
 mkdir -p "$work/logs"
 runner=("$VENV/bin/python" scripts/container_stack.py --compose "$COMPOSE" --file "$FILE" --project "$project"
-  --image "$IMAGE" --logs "$work/logs")
+  --image "$IMAGE" --redis-image "$redis_image" --logs "$work/logs")
 server=$("${runner[@]}" --health-services)
 (
   # Runs each health check once a second, as podman's systemd timers would.
