@@ -820,8 +820,8 @@ def _warn_no_reserved_core(vllm_config: Any) -> None:
     set (meant for NIXL's transfer thread). Where that leaves no core to bind (<= 2 cores
     per worker), vLLM reserves none at all: the model's OpenMP threads get every core,
     the engine's busy loop and kvsvc preempt one of them, and each parallel region waits
-    for it. Measured on 2 cores: a miss +50..120% vs no connector, and the same slowdown
-    without any connector when bound so; +0..10% with one core reserved (docs/vllm.md).
+    for it. Measured on 2 CPUs: a miss 1.8-3.3x the no-connector time, an engine without
+    a connector bound so ~2x; with one CPU reserved, within the host's noise (docs/vllm.md).
     Logical CPUs are counted (an SMT host of 2 cores x 2 threads is not caught)."""
     from vllm import envs
     from vllm.platforms import current_platform
@@ -836,7 +836,7 @@ def _warn_no_reserved_core(vllm_config: Any) -> None:
         log.warning(
             "kvsvc connector: with a KV connector set, vLLM reserves no CPU for its engine "
             "loop on <= %d CPUs (here %d): its OpenMP threads take every CPU and prefill "
-            "slows down (~1.5-2x measured on 2 CPUs). Set VLLM_CPU_NUM_OF_RESERVED_CPU=%d "
+            "slows down (~2x measured on 2 CPUs). Set VLLM_CPU_NUM_OF_RESERVED_CPU=%d "
             "(what vLLM reserves without a connector).",
             2 * workers,
             cpus,
