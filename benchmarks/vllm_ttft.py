@@ -33,6 +33,21 @@ REPO = Path(__file__).resolve().parent.parent
 BLOCK = 128
 
 
+# name -> (connector target: "" none, "server" the kvsvc started here, else an address
+# nothing listens on; extra engine env). With a KV connector set, vLLM 0.32 reserves a
+# second core for it; on <= 2 cores it then reserves none and binds its OpenMP threads to
+# every core (docs/vllm.md): "kvsvc" is the documented setting there (one core reserved,
+# as without a connector), the "-bind-all" variants show vLLM's default.
+_SMALL_HOST = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if len(os.sched_getaffinity(0)) <= 2 else {}
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "recompute": ("", {}),
+    "kvsvc": ("server", _SMALL_HOST),
+    "kvsvc-down": ("127.0.0.1:9", _SMALL_HOST),
+    "kvsvc-bind-all": ("server", {}),
+    "recompute-bind-all": ("", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+}
+
+
 def make_model(path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,7 +114,9 @@ def engine(args: argparse.Namespace) -> None:
     del llm  # vLLM's shutdown ends its engine core
 
 
-def run_engine(tmp: Path, name: str, plan: dict[str, Any]) -> list[dict[str, Any]]:
+def run_engine(
+    tmp: Path, name: str, plan: dict[str, Any], extra_env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     plan_path, out_path = tmp / f"{name}.plan.json", tmp / f"{name}.out.json"
     plan_path.write_text(json.dumps(plan))
     env = dict(os.environ)
@@ -110,6 +127,8 @@ def run_engine(tmp: Path, name: str, plan: dict[str, Any]) -> list[dict[str, Any
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    env.update(extra_env or {})
+    print(f"bench: engine {name} {extra_env or ''}", flush=True)
     cmd = [sys.executable, "-m", "benchmarks.vllm_ttft", "--engine", str(plan_path), str(out_path)]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=3600)
     return list(json.loads(out_path.read_text()))
@@ -119,6 +138,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--variants",
+        default="recompute,kvsvc",
+        help=f"engines, alternated per repetition, from {','.join(VARIANTS)}",
+    )
     p.add_argument("--engine", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.engine:
@@ -133,51 +157,59 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1, 2000) for _ in range(n + 1)]  # +1: full blocks all hit
 
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or "recompute" not in variants:
+        raise SystemExit(f"--variants: {sorted(unknown)} unknown, or no recompute")
+    results_by: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="kvsvc-vllm-bench-") as d:
         tmp = Path(d)
         make_model(tmp / "model")
-        recompute = run_engine(
-            tmp,
-            "recompute",
-            {
-                "model": str(tmp / "model"),
-                "target": "",
-                "runs": [
-                    {"kind": "recompute", "prompt": prompt(n)}
-                    for _ in range(args.reps)
-                    for n in lengths
-                ],
-            },
-        )
-        runs = []
-        for _ in range(args.reps):
-            for n in lengths:
-                q = prompt(n)
-                runs += [
-                    {"kind": "miss", "prompt": q, "wait_stored": 2.0},
-                    {"kind": "hit", "prompt": q},
-                ]
         with KvsvcServer(store_bytes="4G", shm_dir=str(tmp)) as server:
-            connector = run_engine(
-                tmp, "kvsvc", {"model": str(tmp / "model"), "target": server.address, "runs": runs}
-            )
+            # Engines alternate, one repetition each in turn: a loaded host's swings
+            # then hit every variant alike.
+            for rep in range(args.reps):
+                for v in variants:
+                    target, env = VARIANTS[v]
+                    if target == "server":
+                        target = server.address
+                    runs = []
+                    for n in lengths:
+                        q = prompt(n)
+                        if target:
+                            runs += [{"kind": "miss", "prompt": q, "wait_stored": 2.0}]
+                            if target == server.address:
+                                runs += [{"kind": "hit", "prompt": q}]
+                        else:
+                            runs += [{"kind": "recompute", "prompt": q}]
+                    plan = {"model": str(tmp / "model"), "target": target, "runs": runs}
+                    results_by[v] += run_engine(tmp, f"{v}-{rep}", plan, env)
     rows = []
     results: dict[str, Any] = {"lengths": lengths, "reps": args.reps, "rows": rows}
-    print("\n| prompt tokens | recompute (no connector) s | kvsvc miss s | kvsvc hit s |"
+    print("\n| prompt tokens | engine | recompute (no connector) s | kvsvc miss s | kvsvc hit s |"
           " hit speed-up | miss overhead |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for n in lengths:
 
         def med(kind: str, src: list[dict[str, Any]], n: int = n) -> float:
-            return statistics.median(r["seconds"] for r in src if r["kind"] == kind and
-                                     r["length"] == n + 1)  # fmt: skip
+            xs = [r["seconds"] for r in src if r["kind"] == kind and r["length"] == n + 1]
+            return statistics.median(xs) if xs else float("nan")
 
-        rc, miss, hit = med("recompute", recompute), med("miss", connector), med("hit", connector)
-        cached = [r["cached"] for r in connector if r["kind"] == "hit" and r["length"] == n + 1]
-        row = {"tokens": n, "recompute_s": rc, "miss_s": miss, "hit_s": hit, "hit_cached": cached}
-        rows.append(row)
-        print(f"| {n} | {rc:.3f} | {miss:.3f} | {hit:.3f} | {rc / hit:.1f}x |"
-              f" {100 * (miss / rc - 1):+.1f}% |")  # fmt: skip
+        rc = med("recompute", results_by["recompute"])
+        for v in variants[1:]:
+            first = "miss" if VARIANTS[v][0] else "recompute"
+            miss, hit = med(first, results_by[v]), med("hit", results_by[v])
+            cached = [
+                r["cached"] for r in results_by[v] if r["kind"] == "hit" and r["length"] == n + 1
+            ]
+            rows.append(
+                {"tokens": n, "engine": v, "recompute_s": rc, "miss_s": miss, "hit_s": hit,
+                 "hit_cached": cached,
+                 "all": {k: [r["seconds"] for r in results_by[k] if r["length"] == n + 1]
+                         for k in ("recompute", v)}}
+            )  # fmt: skip
+            print(f"| {n} | {v} | {rc:.3f} | {miss:.3f} | {hit:.3f} | {rc / hit:.1f}x |"
+                  f" {100 * (miss / rc - 1):+.1f}% |")  # fmt: skip
     out = REPO / "bench-results" / "vllm_ttft.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import mmap
+import os
 import sys
 import threading
 import time
@@ -814,6 +815,35 @@ class _Worker:
         self.link.close()
 
 
+def _warn_no_reserved_core(vllm_config: Any) -> None:
+    """vLLM's CPU platform reserves one more core per worker once any KV connector is
+    set (meant for NIXL's transfer thread). Where that leaves no core to bind (<= 2 cores
+    per worker), vLLM reserves none at all: the model's OpenMP threads get every core,
+    the engine's busy loop and kvsvc preempt one of them, and each parallel region waits
+    for it. Measured on 2 CPUs: a miss 1.8-3.3x the no-connector time, an engine without
+    a connector bound so ~2x; with one CPU reserved, within the host's noise (docs/vllm.md).
+    Logical CPUs are counted (an SMT host of 2 cores x 2 threads is not caught)."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not hasattr(os, "sched_getaffinity"):
+        return
+    if envs.VLLM_CPU_OMP_THREADS_BIND != "auto" or envs.VLLM_CPU_NUM_OF_RESERVED_CPU is not None:
+        return
+    workers = max(1, int(getattr(vllm_config.parallel_config, "local_world_size", 1)))
+    cpus = len(os.sched_getaffinity(0))
+    if cpus <= 2 * workers:
+        log.warning(
+            "kvsvc connector: with a KV connector set, vLLM reserves no CPU for its engine "
+            "loop on <= %d CPUs (here %d): its OpenMP threads take every CPU and prefill "
+            "slows down (~2x measured on 2 CPUs). Set VLLM_CPU_NUM_OF_RESERVED_CPU=%d "
+            "(what vLLM reserves without a connector).",
+            2 * workers,
+            cpus,
+            workers,
+        )
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -855,6 +885,7 @@ class KvsvcConnector(KVConnectorBase_V1):
         self.sched: _Scheduler | None = None
         self.worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _warn_no_reserved_core(vllm_config)
             self.sched = _Scheduler(vllm_config, kv_cache_config, self.cfg)
             self.counters = self.sched.counters
         else:

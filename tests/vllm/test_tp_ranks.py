@@ -192,3 +192,29 @@ def test_hooks_never_raise_into_vllm(monkeypatch) -> None:
     assert w.get_block_ids_with_load_errors() == {3}
     sched.shutdown()
     w.shutdown()
+
+
+def test_warns_when_vllm_would_reserve_no_core_for_its_engine_loop(monkeypatch) -> None:
+    """With a KV connector set, vLLM 0.32 reserves no CPU at all on <= 2 CPUs per worker
+    and prefill slows ~1.5-2x (docs/vllm.md): the operator is told the setting that
+    avoids it, and not told once it is set."""
+    import logging
+    import os
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    kv.log.addHandler(handler)
+    try:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        kv._warn_no_reserved_core(vllm_config(1, tp=1))
+        small = len(os.sched_getaffinity(0)) <= 2
+        told = [r for r in records if "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in r.getMessage()]
+        assert len(told) == (1 if small else 0)
+        records.clear()
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        kv._warn_no_reserved_core(vllm_config(1, tp=1))
+        assert records == []
+    finally:
+        kv.log.removeHandler(handler)

@@ -30,6 +30,9 @@ def engine_env() -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
+    if len(os.sched_getaffinity(0)) <= 2:
+        # As docs/vllm.md says: else vLLM reserves no core with a connector set here.
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     return env
 
 
