@@ -495,7 +495,15 @@ def test_node_topology_serves_engines_in_other_pods_through_a_host_path():
     assert 10001 in epod["securityContext"]["supplementalGroups"]
     assert not epod.get("hostIPC") and not epod.get("hostPID")
     (ec,) = epod["containers"]
-    assert f"unix:{config.socket_dir}/grpc.sock" in " ".join(ec["command"] + ec["args"])
+    command = " ".join(ec["command"] + ec["args"])
+    assert f"unix:{config.socket_dir}/grpc.sock" in command
+    # grpc.sock wants a token too: the engine's own, from another Secret than the
+    # server's tenant file.
+    token_file = re.search(r"--token-file (\S+)", command)
+    assert token_file, command
+    token_secret = secret_mount(ec, epod, token_file[1])["secret"]["secretName"]
+    tenants = secret_mount(container, pod, config.auth_token_file)["secret"]["secretName"]
+    assert token_secret != tenants
 
 
 def sidecar_pod(topology: str) -> tuple[dict, dict, dict, ServerConfig]:
@@ -505,6 +513,26 @@ def sidecar_pod(topology: str) -> tuple[dict, dict, dict, ServerConfig]:
     (engine,) = pod["containers"]
     assert server["restartPolicy"] == "Always", "a native sidecar: starts first, stops last"
     return pod, server, engine, config_from_env(pod_env(server, {}))
+
+
+def _settings(text: str) -> str:
+    """A manifest's text without its comments."""
+    return "\n".join(
+        line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#")
+    )
+
+
+def test_no_manifest_allows_insecure():
+    """Secure by default: the image, compose and every Kubernetes manifest serve
+    beyond loopback only with credentials, never through --allow-insecure."""
+    files = [DOCKER / "Dockerfile", DOCKER / "compose.yaml", *sorted(K8S.glob("*/*.yaml"))]
+    assert len(files) > 8
+    for path in files:
+        found = re.findall(r"ALLOW_INSECURE|allow[-_]insecure", _settings(path.read_text()), re.I)
+        assert not found, f"{path.relative_to(ROOT)} sets {found[0]}"
+    assert "KVSVC_ALLOW_INSECURE" not in IMAGE.env
+    for svc in SERVICES.values():
+        assert "KVSVC_ALLOW_INSECURE" not in service_env(IMAGE, svc)
 
 
 def test_sidecar_topology_shares_only_a_socket_volume():
