@@ -337,6 +337,23 @@ def server_stack(run: Run, server: str, grace: float) -> None:
     with KVCacheClient(f"127.0.0.1:{run.grpc_port}", token=run.token(cid)) as client:
         stored = client.put("ci", [(b"token-key", b"x" * 4096)], timeout=30)
     run.check(stored.stored_chunks == 1, "a Put from the host with the stack's token", stored)
+    # What init-auth left in the auth volume: the tenant file and the token, each
+    # readable by the server's uid only, the token >= 128 random bits (base64url).
+    auth_dir = os.path.dirname(run.token_file)
+    listing = run.podman("exec", cid, "find", auth_dir, "-type", "f", "-printf", "%m %U %f\n")
+    files = sorted(line.split() for line in listing.stdout.splitlines())
+    server_uid = (
+        run.podman("image", "inspect", "--format", "{{.Config.User}}", run.env["KVSVC_IMAGE"])
+        .stdout.strip()
+        .split(":")[0]
+    )
+    run.check(
+        len(files) == 2
+        and all(mode in ("600", "640") and owner == server_uid for mode, owner, _ in files)
+        and len(run.token(cid)) >= 22,
+        f"the auth volume holds a tenant file and a token, 0600/0640, owned by {server_uid}",
+        (files, listing.stderr.strip()),
+    )
     with urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10) as resp:
         run.check(b"kvsvc_" in resp.read(), "metrics answer on the published port")
 
