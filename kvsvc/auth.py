@@ -21,13 +21,16 @@ token gets the same UNAUTHENTICATED answer, which says nothing of what exists.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import hashlib
 import hmac
 import json
 import logging
+import os
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -371,3 +374,42 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+#: `kvsvc init-auth` writes the token beside the tenant file under this name.
+TOKEN_FILE_NAME = "token"
+
+
+def init_tenant_file(path: str) -> bool:
+    """Make a first tenant file at ``path`` (one tenant, every namespace) and its
+    random token in ``token`` beside it, both 0600; False if ``path`` exists (a
+    restart keeps the token its clients hold). The tenant file holds only the
+    token's SHA-256, so the server's copy of it is no credential."""
+    if os.path.exists(path):
+        return False
+    token = secrets.token_urlsafe(32)  # 256 random bits
+    tenant = {
+        "tokens": [{"sha256": hashlib.sha256(token.encode()).hexdigest()}],
+        "namespaces": ["*"],
+    }
+    directory = os.path.dirname(path) or "."
+    _write_private(os.path.join(directory, TOKEN_FILE_NAME), token + "\n")
+    # The tenant file last: its presence says both files are complete.
+    _write_private(path, json.dumps({"tenants": {"engines": tenant}}, indent=2) + "\n")
+    return True
+
+
+def _write_private(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, mode 0600 from the first byte."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

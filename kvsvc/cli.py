@@ -10,12 +10,15 @@ from collections.abc import Sequence
 
 from kvsvc import __version__, failpoints
 from kvsvc.config import (
+    TOKEN_FILE_ENV,
     ConfigError,
     add_server_arguments,
     check_host,
     check_listen,
     check_security,
     config_from_args,
+    env_name,
+    read_token_file,
 )
 from kvsvc.logs import setup_logging
 
@@ -63,6 +66,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "says it is)",
     )
 
+    demo.add_argument(
+        "--token-file",
+        default=os.environ.get(TOKEN_FILE_ENV, ""),
+        help=f"file holding the bearer token of a server with --auth-token-file (env "
+        f"{TOKEN_FILE_ENV}); the token is never taken on the command line",
+    )
+
+    init_auth = sub.add_parser(
+        "init-auth",
+        help="make a first tenant file and its token, unless the tenant file exists",
+        description="Write a tenant file with one tenant (every namespace) and a random "
+        "256-bit token, stored there only as its SHA-256, and the token itself in "
+        "'token' beside it; both mode 0600. Does nothing if the tenant file exists.",
+    )
+    init_auth.add_argument(
+        "--tenant-file",
+        default=os.environ.get(env_name("auth_token_file"), ""),
+        help=f"where the tenant file goes (env {env_name('auth_token_file')})",
+    )
+
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
     args = parser.parse_args(argv)
@@ -75,7 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvsvc.demo import run_demo
 
         setup_logging("WARNING", "text")
-        return run_demo(args.target, args.shm_dir, memfd=args.memfd, fd_socket=args.fd_socket)
+        try:
+            token = read_token_file(args.token_file) if args.token_file else None
+        except ConfigError as exc:
+            print(f"kvsvc demo: {exc}", file=sys.stderr)
+            return 2
+        return run_demo(
+            args.target, args.shm_dir, memfd=args.memfd, fd_socket=args.fd_socket, token=token
+        )
+    if args.command == "init-auth":
+        return _init_auth(args.tenant_file)
     if args.command == "failpoints":
         try:
             failpoints.parse(os.environ.get(failpoints.ENV, ""))
@@ -92,6 +124,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _init_auth(path: str) -> int:
+    from kvsvc.auth import TOKEN_FILE_NAME, init_tenant_file
+
+    if not path:
+        print(
+            f"kvsvc init-auth: give --tenant-file or {env_name('auth_token_file')}",
+            file=sys.stderr,
+        )
+        return 2
+    token_path = os.path.join(os.path.dirname(path) or ".", TOKEN_FILE_NAME)
+    try:
+        made = init_tenant_file(path)
+    except OSError as exc:
+        print(f"kvsvc init-auth: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    done = "wrote" if made else "kept the existing"
+    print(f"kvsvc init-auth: {done} {path} (token in {token_path})")
+    return 0
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -632,6 +632,23 @@ def is_local_address(listen: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+#: A client's bearer token comes from a file (never argv, never a log line).
+TOKEN_FILE_ENV = "KVSVC_TOKEN_FILE"
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped). The message
+    names the file, never its content."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--token-file {path}: cannot read it ({type(exc).__name__})") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"--token-file {path}: must hold one token, without spaces")
+    return token
+
+
 def check_shm_dir(path: str, flag: str) -> None:
     if not os.path.isdir(path):
         what = "not a directory" if os.path.exists(path) else "no such directory"

@@ -29,6 +29,7 @@ from kvsvc.errors import (
     KVServiceError,
     Miss,
     ServiceUnavailable,
+    Unauthenticated,
 )
 from kvsvc.kvcache import SharedKVCache
 
@@ -58,7 +59,12 @@ def embedded_server(shm_dir: str) -> Iterator[str]:
 
 
 def run_demo(
-    target: str | None, shm_dir: str, *, memfd: bool = False, fd_socket: str | None = None
+    target: str | None,
+    shm_dir: str,
+    *,
+    memfd: bool = False,
+    fd_socket: str | None = None,
+    token: str | None = None,
 ) -> int:
     """The demo's exit status. What keeps it from running (no server at --target,
     one that stopped serving, an unusable shm dir) is one line that says what to do,
@@ -68,8 +74,8 @@ def run_demo(
             check_shm_dir(shm_dir, "--shm-dir")
         if target is None:
             with embedded_server(shm_dir) as address:
-                return _demo(address, shm_dir, memfd, fd_socket)
-        return _demo(target, shm_dir, memfd, fd_socket)
+                return _demo(address, shm_dir, memfd, fd_socket, None)
+        return _demo(target, shm_dir, memfd, fd_socket, token)
     except (ConfigError, _Stop) as exc:
         print(f"kvsvc demo: {exc}", file=sys.stderr)
         return 1
@@ -79,10 +85,15 @@ class _Stop(Exception):
     """Ends the demo with one line on stderr."""
 
 
-def _demo(target: str, shm_dir: str, memfd: bool, fd_socket: str | None) -> int:
-    with KVCacheClient(target, fd_socket=fd_socket) as client:
+def _demo(target: str, shm_dir: str, memfd: bool, fd_socket: str | None, token: str | None) -> int:
+    with KVCacheClient(target, fd_socket=fd_socket, token=token) as client:
         try:
             info = client.server_info()
+        except Unauthenticated:
+            raise _Stop(
+                f"the server at {target} refused the demo's credentials: give it the token "
+                "of a tenant in its --auth-token-file with --token-file (or KVSVC_TOKEN_FILE)"
+            ) from None
         except (ServiceUnavailable, DeadlineExceeded) as exc:
             raise _Stop(
                 f"no kvsvc server answers at {target} ({exc.message}). Start one first "

