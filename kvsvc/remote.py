@@ -35,7 +35,6 @@ from typing import Any
 
 import redis
 import redis.exceptions as rx
-import xxhash
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -59,7 +58,8 @@ log = logging.getLogger("kvsvc.remote")
 _warn = _BoundedLog(log, 10.0)
 
 MAGIC = b"KVR"
-FORMAT_VERSION = 1
+#: 2: segment digests and the key hash are CRC-32C (kvsvc.copies, STORE_FORMAT 2)
+FORMAT_VERSION = 2
 # magic, version, fingerprint length, parts, key hash, data length, segments
 _HEAD = struct.Struct("<3sBHHQQI")
 
@@ -123,7 +123,7 @@ def encode(
         FORMAT_VERSION,
         len(fp),
         1 + len(rest),
-        xxhash.xxh3_64_intdigest(rkey),
+        checksum(rkey),
         n,
         len(digests),
     )
@@ -158,7 +158,7 @@ def parse_head(rkey: bytes, layout: str, raw: bytes) -> tuple[int, list[int], me
     pos = _HEAD.size
     if raw[pos : pos + fp_len] != layout.encode():
         raise Rejected(OTHER_LAYOUT)
-    if key_hash != xxhash.xxh3_64_intdigest(rkey) or nseg != len(segments(n)):
+    if key_hash != checksum(rkey) or nseg != len(segments(n)):
         raise Rejected(BAD_HEADER)
     pos += fp_len
     if len(raw) < pos + 8 * nseg:

@@ -168,16 +168,43 @@ def fuzz_server(tmp_path_factory):
     assert all("kvsvc.auth: unauthenticated" in w or "does not parse" in w for w in warnings)
 
 
+def _check(method: str, response: Any) -> None:
+    """A typed result, or a RemoteError the catalogue declares that is not a crash."""
+    outcome = response.WhichOneof("outcome")
+    assert outcome in ("result", "error"), (method, response)
+    if outcome == "error":
+        assert response.error.reason in REASONS, response.error
+        assert response.error.reason not in ("HANDLER_FAILED", "FATAL_SERVER_ERROR"), response.error
+
+
+def _check_session(responses: list[pb.SessionResponse]) -> None:
+    """One frame in, one answer out: the request's own response, or an envelope error
+    (a kind this server does not know, or bytes that did not parse: id 0)."""
+    assert len(responses) == 1, responses
+    kind = responses[0].WhichOneof("response")
+    assert kind is not None, responses[0]
+    if kind == "error":
+        error = responses[0].error
+        assert error.reason in REASONS and error.reason != "HANDLER_FAILED", error
+    else:
+        _check(kind, getattr(responses[0], kind))
+
+
 def _call(channel: grpc.Channel, method: str, raw: bytes, token: str | None) -> None:
     m = SERVICE.methods_by_name[method]
     response_cls = GetMessageClass(m.output_type)
-    rpc = channel.unary_unary(
-        f"/{SERVICE.full_name}/{method}",
-        request_serializer=lambda b: b,
-        response_deserializer=response_cls.FromString,
-    )
     metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+    path = f"/{SERVICE.full_name}/{method}"
     try:
+        if m.client_streaming:  # Session: the frame as the stream's one request
+            stream = channel.stream_stream(
+                path, request_serializer=lambda b: b, response_deserializer=response_cls.FromString
+            )
+            _check_session(list(stream(iter([raw]), timeout=5, metadata=metadata)))
+            return
+        rpc = channel.unary_unary(
+            path, request_serializer=lambda b: b, response_deserializer=response_cls.FromString
+        )
         response = rpc(raw, timeout=5 if method != "Map" else 0.5, metadata=metadata)
     except grpc.RpcError as exc:
         # Only these may come as a status: no credentials, or our own short deadline.
@@ -188,11 +215,7 @@ def _call(channel: grpc.Channel, method: str, raw: bytes, token: str | None) -> 
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
             assert token != TOKEN
         return
-    outcome = response.WhichOneof("outcome")
-    assert outcome in ("result", "error"), (method, response)
-    if outcome == "error":
-        assert response.error.reason in REASONS, response.error
-        assert response.error.reason not in ("HANDLER_FAILED", "FATAL_SERVER_ERROR"), response.error
+    _check(method, response)
 
 
 METHODS = [m.name for m in SERVICE.methods]
