@@ -98,7 +98,10 @@ cd "$REPO"
 step "npm pack + npm install <tarball> in an empty directory"
 (cd clients/node && npm pack --silent --pack-destination "$WORK" >/dev/null)
 tarball=$(ls "$WORK"/kvsvc-client-*.tgz)
-tar tzf "$tarball" | grep -q "package/proto/kvsvc/v1/kv_cache_service.proto" ||
+# The listing first: `tar | grep -q` under pipefail fails whenever grep's early exit
+# gets tar killed by SIGPIPE (it did in a fresh-clone CI run).
+listing=$(tar tzf "$tarball")
+grep -q "package/proto/kvsvc/v1/kv_cache_service.proto" <<<"$listing" ||
   { echo "check_packages: $tarball carries no proto/" >&2; exit 1; }
 [[ ! -e clients/node/proto ]] || { echo "check_packages: npm pack left clients/node/proto" >&2; exit 1; }
 mkdir "$WORK/app"
