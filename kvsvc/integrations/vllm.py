@@ -207,10 +207,8 @@ class _Link:
         if time.monotonic() < self.down_until:
             return None
         if self.client is None:
-            # Unary calls: after kvsvc restarts on the same address, a fresh client's
-            # Session stream kept failing at once (UNAVAILABLE) where unary calls
-            # reconnect (tests/vllm: kvsvc down, back, killed); the connector makes one
-            # Lookup per request and sends its transfers as futures anyway.
+            # Unary calls: one Lookup per request, transfers as futures; the path
+            # the engine tests (kvsvc down, back, killed) were proven on.
             self.client = KVCacheClient(
                 self.cfg.target,
                 control_timeout=self.control_timeout,
