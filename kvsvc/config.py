@@ -45,6 +45,10 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 0),
         ("grpc.http2.max_pings_without_data", 0),
+        # Its own connections: a client made after the server restarted connects at
+        # once, instead of sharing another channel's subchannel and reconnect backoff
+        # (gRPC's global pool), which failed a fresh client with the old error.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
