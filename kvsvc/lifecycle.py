@@ -5,7 +5,6 @@ fatal failure with --exit-on-fatal), drain and stop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -26,6 +25,8 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.server")
 STOP_GRACE_S = 0.5
+#: Bound on waiting for the reaper task at stop (it ends at its next wake-up).
+REAPER_STOP_S = 5.0
 
 
 class Server:
@@ -196,9 +197,9 @@ class Server:
                 grace,
                 sorted(engine.inflight),
             )
-        self._reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reaper
+        self.servicer.stop_reaping()
+        self._reaper.cancel()  # a release in progress ends at once too
+        await asyncio.wait({self._reaper}, timeout=REAPER_STOP_S)
         # The watchdog goes first: workers that end on purpose are not a death.
         self.watchdog.stop()
         engine.shutdown()

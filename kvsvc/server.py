@@ -208,6 +208,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         #: whose files Map opens by name (--shm-uids; regions.open_trusted)
         self.shm_owners = shm_owner_uids(config.shm_uids)
         self._reap_wake = asyncio.Event()
+        #: set by stop_reaping: a cancel alone can be lost inside wait_for (Python
+        #: 3.11, when the wake-up comes at the same moment) and the stop waits forever
+        self._reaping_stopped = False
         if self.fds is not None:
             self.fds.on_lease_end = self._lease_ended
         self.metrics = Metrics(
@@ -481,14 +484,20 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._reap_wake.set)
 
+    def stop_reaping(self) -> None:
+        self._reaping_stopped = True
+        self._reap_wake.set()
+
     async def reap(self) -> None:
         """Release, without waiting for a Map, every mapping whose engine is gone: at
         once when its lease connection ends, else within MAPPING_REAP_INTERVAL_S
         (a one-shot pass's pid exited). Runs until cancelled."""
-        while True:
+        while not self._reaping_stopped:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._reap_wake.wait(), MAPPING_REAP_INTERVAL_S)
             self._reap_wake.clear()
+            if self._reaping_stopped:
+                return
             for mapping in list(self.mappings.values()):
                 if mapping.closing or not mapping.owner_gone():
                     continue
