@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	pb "github.com/kvsvc/kvsvc/clients/go/gen/kvsvc/v1"
@@ -65,6 +66,11 @@ type Options struct {
 	// where the server says (another container mounts the socket directory
 	// elsewhere).
 	FdSocket string
+	// DisableSession sends Lookup, Store, Retrieve and Fence as unary calls.
+	// By default they travel on one Session stream (opened at the first call,
+	// opened again after a break), and as unary calls to a server that
+	// answers that it has no Session RPC.
+	DisableSession bool
 }
 
 // bearer sends a token with every call; plaintext is allowed (loopback and unix
@@ -86,6 +92,11 @@ type Client struct {
 	controlTimeout  time.Duration
 	fdSocket        string
 	lease           *fdLease
+
+	sessMu    sync.Mutex
+	sess      *session // nil until the first call that uses it
+	unaryOnly bool     // DisableSession, or the server has no Session RPC
+	closed    bool
 }
 
 // New creates a client for target ("host:port"); it connects lazily, so a
@@ -96,6 +107,7 @@ func New(target string, opts Options) (*Client, error) {
 		controlTimeout:  opts.ControlTimeout,
 		fdSocket:        opts.FdSocket,
 		lease:           &fdLease{},
+		unaryOnly:       opts.DisableSession,
 	}
 	if c.transferTimeout == 0 {
 		c.transferTimeout = DefaultTransferTimeout
@@ -137,10 +149,17 @@ func New(target string, opts Options) (*Client, error) {
 	return c, nil
 }
 
-// Close closes the connection.
-// Close ends the client's fd lease (the server releases the mappings of the
-// memfds passed through it) and its connection.
+// Close ends the client's session (its pending calls fail as Cancelled), its
+// fd lease (the server releases the mappings of the memfds passed through it)
+// and its connection.
 func (c *Client) Close() error {
+	c.sessMu.Lock()
+	c.closed = true
+	s := c.sess
+	c.sessMu.Unlock()
+	if s != nil {
+		s.close()
+	}
 	c.lease.close()
 	return c.conn.Close()
 }
@@ -239,14 +258,21 @@ type response[R comparable] interface {
 	GetResult() R
 }
 
-// unary runs one call and turns every failure into a typed error.
+// unary runs one call (on the session when k is not nil and the client uses
+// one) and turns every failure into a typed error.
 func unary[R comparable, Resp response[R]](
 	c *Client, ctx context.Context, p *plan,
 	rpc func(context.Context, ...grpc.CallOption) (Resp, error),
+	k *carried[Resp],
 ) (R, error) {
 	var zero R
 	ctx, cancel := c.deadline(ctx, p)
 	defer cancel()
+	if k != nil {
+		if r, used, err := overSession[R, Resp](c, ctx, p, k); used {
+			return r, err
+		}
+	}
 	// The peer is known only once a stream was opened on a connection: then the
 	// request may have reached the server.
 	var remote peer.Peer
@@ -254,6 +280,12 @@ func unary[R comparable, Resp response[R]](
 	if err != nil {
 		return zero, FromGRPCError(err, p.header.RequestId, p.method, p.transfer, remote.Addr != nil)
 	}
+	return settle[R, Resp](p, resp)
+}
+
+// settle is a response's result, or its RemoteError (or EMPTY_RESPONSE) as a typed error.
+func settle[R comparable, Resp response[R]](p *plan, resp Resp) (R, error) {
+	var zero R
 	if env := resp.GetError(); env != nil {
 		return zero, FromRemoteError(env, p.method)
 	}
@@ -311,6 +343,9 @@ func (c *Client) Fence(ctx context.Context, mappingID string, transferIDs []stri
 	}
 	return unary[*pb.FenceResult, *pb.FenceResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.FenceResponse, error) {
 		return c.kv.Fence(ctx, req, o...)
+	}, &carried[*pb.FenceResponse]{
+		req:    &pb.SessionRequest{Request: &pb.SessionRequest_Fence{Fence: req}},
+		unwrap: (*pb.SessionResponse).GetFence,
 	})
 }
 
@@ -323,7 +358,7 @@ func (c *Client) ServerInfo(ctx context.Context, opts ...CallOption) (*pb.GetSer
 	}
 	return unary[*pb.GetServerInfoResult, *pb.GetServerInfoResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.GetServerInfoResponse, error) {
 		return c.kv.GetServerInfo(ctx, req, o...)
-	})
+	}, nil)
 }
 
 // HealthCheck asks grpc.health.v1 about service ("" or HealthServiceName).
@@ -350,7 +385,7 @@ func (c *Client) Map(ctx context.Context, req *pb.MapRequest, opts ...CallOption
 	}
 	return unary[*pb.MapResult, *pb.MapResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.MapResponse, error) {
 		return c.kv.Map(ctx, req, o...)
-	})
+	}, nil)
 }
 
 // Unmap fences a mapping's copies and releases it.
@@ -362,7 +397,7 @@ func (c *Client) Unmap(ctx context.Context, mappingID string, opts ...CallOption
 	}
 	return unary[*pb.UnmapResult, *pb.UnmapResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.UnmapResponse, error) {
 		return c.kv.Unmap(ctx, req, o...)
-	})
+	}, nil)
 }
 
 // StoreRaw sends a StoreRequest as given (its header is filled in place). A
@@ -375,6 +410,9 @@ func (c *Client) StoreRaw(ctx context.Context, req *pb.StoreRequest, opts ...Cal
 	}
 	return unary[*pb.StoreResult, *pb.StoreResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.StoreResponse, error) {
 		return c.kv.Store(ctx, req, o...)
+	}, &carried[*pb.StoreResponse]{
+		req:    &pb.SessionRequest{Request: &pb.SessionRequest_Store{Store: req}},
+		unwrap: (*pb.SessionResponse).GetStore,
 	})
 }
 
@@ -386,6 +424,9 @@ func (c *Client) RetrieveRaw(ctx context.Context, req *pb.RetrieveRequest, opts 
 	}
 	return unary[*pb.RetrieveResult, *pb.RetrieveResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.RetrieveResponse, error) {
 		return c.kv.Retrieve(ctx, req, o...)
+	}, &carried[*pb.RetrieveResponse]{
+		req:    &pb.SessionRequest{Request: &pb.SessionRequest_Retrieve{Retrieve: req}},
+		unwrap: (*pb.SessionResponse).GetRetrieve,
 	})
 }
 
@@ -397,5 +438,8 @@ func (c *Client) LookupRaw(ctx context.Context, req *pb.LookupRequest, opts ...C
 	}
 	return unary[*pb.LookupResult, *pb.LookupResponse](c, ctx, p, func(ctx context.Context, o ...grpc.CallOption) (*pb.LookupResponse, error) {
 		return c.kv.Lookup(ctx, req, o...)
+	}, &carried[*pb.LookupResponse]{
+		req:    &pb.SessionRequest{Request: &pb.SessionRequest_Lookup{Lookup: req}},
+		unwrap: (*pb.SessionResponse).GetLookup,
 	})
 }
