@@ -63,12 +63,40 @@ func launch(failpoints string, args ...string) (*testServer, error) {
 	if err != nil {
 		return nil, err
 	}
+	return launchCmd([]string{bin}, failpoints, args...)
+}
+
+// withoutSessionCmd runs clients/testdata/kvsvc_without_session.py: the real
+// server with no Session RPC (one from before it), with the venv's python
+// ($KVSVC_PYTHON, else the python beside the kvsvc executable).
+func withoutSessionCmd() ([]string, error) {
+	bin, err := kvsvcBin()
+	if err != nil {
+		return nil, err
+	}
+	python := os.Getenv("KVSVC_PYTHON")
+	if python == "" {
+		python = filepath.Join(filepath.Dir(bin), "python")
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return nil, err
+	}
+	if real, err := filepath.EvalSymlinks(wd); err == nil {
+		wd = real
+	}
+	return []string{python, filepath.Join(wd, "..", "testdata", "kvsvc_without_session.py")}, nil
+}
+
+// launchCmd starts cmdline + "serve ..." (cmdline[0] is the executable).
+func launchCmd(cmdline []string, failpoints string, args ...string) (*testServer, error) {
+	bin := cmdline[0]
 	shm, err := os.MkdirTemp("", "kvsvc-go-shm-")
 	if err != nil {
 		return nil, err
 	}
-	argv := append([]string{"serve", "--listen", "127.0.0.1:0", "--shm-dir", shm,
-		"--shutdown-grace", "1", "--device", "cpu"}, args...)
+	argv := append(append(append([]string{}, cmdline[1:]...), "serve", "--listen", "127.0.0.1:0", "--shm-dir", shm,
+		"--shutdown-grace", "1", "--device", "cpu"), args...)
 	cmd := exec.Command(bin, argv...)
 	cmd.Env = append(os.Environ(), "KVSVC_FAILPOINTS="+failpoints)
 	// Its own process group (stop kills all of it), and killed by the kernel if
