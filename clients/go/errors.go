@@ -374,7 +374,8 @@ func FromGRPCError(err error, requestID, method string, transfer, transferStarte
 		Method:    method,
 		Cause:     err,
 	}
-	if transfer && transferStarted && code != codes.Unimplemented {
+	// UNIMPLEMENTED and UNAUTHENTICATED are answered before any handler runs.
+	if transfer && transferStarted && code != codes.Unimplemented && code != codes.Unauthenticated {
 		base.Message = fmt.Sprintf("transfer outcome unknown after %s: %s", codeName(code), details)
 		base.Reason = classes["TransferUnprovable"].reason
 		base.TransferState = pb.TransferState_TRANSFER_STATE_UNKNOWN

@@ -277,6 +277,10 @@ func TestTransportFailuresMapByCode(t *testing.T) {
 	if base(t, unimpl).Class != "Unimplemented" {
 		t.Errorf("unimplemented transfer: %v", unimpl)
 	}
+	refused := FromGRPCError(status.Error(codes.Unauthenticated, "no"), "", "Store", true, true)
+	if k := base(t, refused); k.Class != "Unauthenticated" || !k.BuffersReusable() {
+		t.Errorf("unauthenticated transfer: %+v", k)
+	}
 }
 
 func TestTimeoutSettingsAreValidated(t *testing.T) {

@@ -220,7 +220,8 @@ function fromGrpcError(err, context = {}) {
     method: context.method,
     cause: err,
   };
-  if (context.transferStarted && code !== 'UNIMPLEMENTED') {
+  // UNIMPLEMENTED and UNAUTHENTICATED are answered before any handler runs.
+  if (context.transferStarted && code !== 'UNIMPLEMENTED' && code !== 'UNAUTHENTICATED') {
     return new TransferUnprovable(`transfer outcome unknown after ${code}: ${details}`, base);
   }
   let cls = BY_CODE.get(code) || KVServiceError;

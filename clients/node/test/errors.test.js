@@ -172,6 +172,10 @@ test('transport failures map by code with a TRANSPORT_ reason, as from_grpc_erro
     { transfer: true, transferStarted: true });
   assert.equal(unimpl.constructor, kv.Unimplemented);
   assert.equal(unimpl.transferState, 'NOT_STARTED');
+  const refused = kv.fromGrpcError({ code: status.UNAUTHENTICATED, details: 'no' },
+    { transfer: true, transferStarted: true });
+  assert.equal(refused.constructor, kv.Unauthenticated);
+  assert.equal(refused.transferState, 'NOT_STARTED');
 });
 
 // --- the reason catalogue of kvsvc/errors.py (proto/kvsvc/v1/reasons.json) ---
