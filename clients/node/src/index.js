@@ -11,6 +11,7 @@ const crypto = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const errors = require('./errors');
+const { Session, FIELDS: SESSION_FIELDS } = require('./session');
 
 const { ENVELOPE_VERSION, fromGrpcError, fromRemoteError, ServiceUnavailable, Cancelled, DeadlineExceeded } = errors;
 
@@ -39,6 +40,9 @@ const LOADER_OPTIONS = {
 // (as the Python client); every other call gets the control one.
 const LONG_CALLS = new Set(['Store', 'Retrieve', 'Unmap', 'Fence']);
 const METHODS = ['Map', 'Unmap', 'Store', 'Retrieve', 'Lookup', 'Fence', 'GetServerInfo'];
+// A session with nothing pending for this long is half-closed: an open stream
+// would keep the process alive. The next call opens a new one.
+const SESSION_IDLE_MS = 1000;
 
 /**
  * Where the contract is: KVSVC_PROTO_DIR, else the package's own proto/ (an
@@ -145,6 +149,9 @@ class KVClient {
    *   verify when it differs from the address's host
    * @param {object} [options.channelOptions] extra grpc-js channel options
    * @param {string} [options.protoDir] directory holding kvsvc/v1/*.proto
+   * @param {boolean} [options.session=true] send Lookup/Store/Retrieve/Fence on one
+   *   Session stream (opened at the first call, again after a break; unary calls
+   *   to a server without the Session RPC); false: unary calls only
    */
   constructor(address, options = {}) {
     if (typeof address !== 'string' || !address) {
@@ -160,6 +167,20 @@ class KVClient {
     const creds = options.credentials ?? tlsCredentials(options.tls);
     const channelOptions = { ...CHANNEL_OPTIONS, ...(options.channelOptions ?? {}) };
     if (options.tls?.serverName) channelOptions['grpc.ssl_target_name_override'] = options.tls.serverName;
+    if (options.session !== undefined && typeof options.session !== 'boolean') {
+      throw new TypeError(`session must be true or false, got ${describe(options.session)}`);
+    }
+    /** False once unary only: `session: false`, or the server has no Session RPC. */
+    this.useSession = options.session !== false;
+    this._session = null;
+    this._closed = false;
+    const { Session: method } = services.KVCacheService.service;
+    this._sessionOptions = {
+      serialize: method.requestSerialize,
+      deserialize: method.responseDeserialize,
+      maxSendBytes: channelOptions['grpc.max_send_message_length'],
+      idleMs: SESSION_IDLE_MS,
+    };
     this._metadata = bearerMetadata(options.token);
     this._stub = new services.KVCacheService(address, creds, channelOptions);
     // Health shares the channel (and so the connection) of the service stub.
@@ -169,9 +190,20 @@ class KVClient {
     });
   }
 
-  /** Close the channel; calls in flight fail with Cancelled/ServiceUnavailable. */
+  /** Close the session and the channel; calls in flight fail with Cancelled/ServiceUnavailable. */
   close() {
+    this._closed = true;
+    this._session?.close();
     this._stub.close();
+  }
+
+  /** The open session (opened again after a break or an idle close), or null: unary. */
+  _sessionFor(method) {
+    if (!this.useSession || this._closed || !SESSION_FIELDS[method]) return null;
+    if (!this._session || this._session.failure) {
+      this._session = new Session(this._stub, this._metadata(), this._sessionOptions);
+    }
+    return this._session;
   }
 
   _deadlineSeconds(opts, long) {
@@ -209,27 +241,8 @@ class KVClient {
       transferState: transfer ? 'NOT_STARTED' : 'UNSPECIFIED',
     });
     if (opts.signal?.aborted) throw notSent();
-    if (transfer) {
-      await this._connected(deadlineMs, context);
-      if (opts.signal?.aborted) throw notSent();
-    }
-    const response = await new Promise((resolve, reject) => {
-      let onAbort;
-      const call = this._stub[method](req, this._metadata(), { deadline: deadlineMs }, (err, resp) => {
-        if (onAbort) opts.signal.removeEventListener('abort', onAbort);
-        if (err) {
-          // A failed pick ("No connection established") proves nothing was sent.
-          const sent = transfer && !/^No connection established/.test(err.details ?? '');
-          reject(fromGrpcError(err, { ...context, transferStarted: sent }));
-        } else {
-          resolve(resp);
-        }
-      });
-      if (opts.signal) {
-        onAbort = () => call.cancel();
-        opts.signal.addEventListener('abort', onAbort, { once: true });
-      }
-    });
+    let response = await this._overSession(method, req, deadlineMs, opts.signal, context);
+    if (response === null) response = await this._unary(method, req, deadlineMs, opts.signal, context, notSent);
     if (response.outcome === 'error' && response.error) {
       throw fromRemoteError(response.error, { method });
     }
@@ -240,6 +253,53 @@ class KVClient {
       });
     }
     return response.result;
+  }
+
+  /**
+   * The unary response of a call carried by the session, or null: send it unary
+   * (no session, or the server has no Session RPC).
+   */
+  async _overSession(method, req, deadlineMs, signal, context) {
+    const session = this._sessionFor(method);
+    if (!session) return null;
+    const out = await session.request(method, req, deadlineMs, signal);
+    if (out.error) {
+      if (out.error.code === grpc.status.UNIMPLEMENTED) {
+        this.useSession = false; // the server has no Session RPC: unary from now on
+        return null;
+      }
+      throw fromGrpcError(out.error, { ...context, transferStarted: context.transfer && out.written });
+    }
+    const r = out.response;
+    if (r.response === 'error' && r.error) { // a request the server could not take as its kind
+      throw fromRemoteError(r.error, { method });
+    }
+    return r[SESSION_FIELDS[method]] ?? {}; // neither: EMPTY_RESPONSE
+  }
+
+  async _unary(method, req, deadlineMs, signal, context, notSent) {
+    const { transfer } = context;
+    if (transfer) {
+      await this._connected(deadlineMs, context);
+      if (signal?.aborted) throw notSent();
+    }
+    return new Promise((resolve, reject) => {
+      let onAbort;
+      const call = this._stub[method](req, this._metadata(), { deadline: deadlineMs }, (err, resp) => {
+        if (onAbort) signal.removeEventListener('abort', onAbort);
+        if (err) {
+          // A failed pick ("No connection established") proves nothing was sent.
+          const sent = transfer && !/^No connection established/.test(err.details ?? '');
+          reject(fromGrpcError(err, { ...context, transferStarted: sent }));
+        } else {
+          resolve(resp);
+        }
+      });
+      if (signal) {
+        onAbort = () => call.cancel();
+        signal.addEventListener('abort', onAbort, { once: true });
+      }
+    });
   }
 
   /**
