@@ -15,14 +15,25 @@ function kvsvcBin() {
 }
 
 /**
- * @param {{failpoints?: string, args?: string[]}} [opts]
- * @returns {Promise<{address: string, shmDir: string, log: () => string, stop: () => Promise<void>}>}
+ * The real server with no Session RPC (one from before it):
+ * clients/testdata/kvsvc_without_session.py, run by the venv's python
+ * ($KVSVC_PYTHON, else the python beside the kvsvc executable).
+ */
+function withoutSessionCommand() {
+  const python = process.env.KVSVC_PYTHON || path.join(path.dirname(kvsvcBin()), 'python');
+  return [python, path.resolve(CLIENT_DIR, '..', 'testdata', 'kvsvc_without_session.py')];
+}
+
+/**
+ * @param {{failpoints?: string, args?: string[], withoutSession?: boolean}} [opts]
+ * @returns {Promise<{address: string, shmDir: string, log: () => string, kill: () => void, stop: () => Promise<void>}>}
  */
 async function startServer(opts = {}) {
   const shmDir = fs.mkdtempSync(path.join(os.tmpdir(), 'kvsvc-node-shm-'));
   const env = { ...process.env, KVSVC_FAILPOINTS: opts.failpoints ?? '' };
-  const child = spawn(kvsvcBin(), [
-    'serve', '--listen', '127.0.0.1:0', '--shm-dir', shmDir, '--shutdown-grace', '1',
+  const [bin, ...pre] = opts.withoutSession ? withoutSessionCommand() : [kvsvcBin()];
+  const child = spawn(bin, [
+    ...pre, 'serve', '--listen', '127.0.0.1:0', '--shm-dir', shmDir, '--shutdown-grace', '1',
     '--device', 'cpu', ...(opts.args ?? []),
   ], { env, stdio: ['ignore', 'ignore', 'pipe'] });
   live.add(child);
@@ -50,6 +61,8 @@ async function startServer(opts = {}) {
     address,
     shmDir,
     log: () => log,
+    /** SIGKILL: the server dies mid-call, as in a crash. */
+    kill() { child.kill('SIGKILL'); },
     async stop() {
       if (child.exitCode === null && child.signalCode === null) {
         child.kill('SIGTERM');
