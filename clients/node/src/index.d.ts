@@ -18,6 +18,8 @@ export interface ClientOptions {
   channelOptions?: Record<string, unknown>;
   /** Directory holding kvsvc/v1/*.proto (default: the repository's proto/, or $KVSVC_PROTO_DIR). */
   protoDir?: string;
+  /** Lookup/Store/Retrieve/Fence on one Session stream (true), or unary calls only (false). */
+  session?: boolean;
 }
 
 export interface CallOptions {
@@ -81,6 +83,8 @@ export class KVClient {
   readonly address: string;
   readonly transferDeadline: number;
   readonly controlDeadline: number;
+  /** False once unary only: `session: false`, or the server has no Session RPC. */
+  readonly useSession: boolean;
   close(): void;
   store(namespace: string, chunks: Array<{ key: Bytes; data: Bytes }>, opts?: TransferOptions): Promise<StoreResult>;
   retrieve(namespace: string, keys: Bytes[], opts?: TransferOptions): Promise<RetrieveResult>;
