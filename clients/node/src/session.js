@@ -90,7 +90,7 @@ class Session {
   request(method, request, deadlineMs, signal) {
     if (this.failure) return Promise.resolve({ error: this.failure, written: false });
     const id = this._nextId++;
-    const left = Math.max(0, deadlineMs - Date.now());
+    const left = Math.max(0, Math.round(deadlineMs - Date.now())); // whole ms
     const msg = { id, timeout: { seconds: Math.floor(left / 1000), nanos: (left % 1000) * 1e6 }, [FIELDS[method]]: request };
     const bytes = this._serialize(msg);
     if (bytes.length > this._maxSendBytes) {
