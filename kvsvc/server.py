@@ -59,6 +59,7 @@ from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import Mapping, RankMapping, open_rank
 from kvsvc.remote import RemoteTier
+from kvsvc.session import SESSION_BATCH, batched, speaks_batches
 from kvsvc.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -753,22 +754,36 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Each request runs through its unary RPC's wrapper (checks, health, metrics,
         failpoints, errors as on unary); answers go out as they are ready. A request
         that completes without waiting (a Lookup, most errors) is answered by the
-        reader itself, with no task: that is most of a Lookup's cost here. When the
-        stream ends, pending requests are cancelled as a unary call whose client went
-        away would be (a started copy stays tracked for Fence)."""
+        reader itself, with no task. Answers ready while one is being written go out
+        together in the next message when the client speaks batches (one message per
+        answer is most of a Lookup's cost). When the stream ends, pending requests are
+        cancelled as a unary call whose client went away would be (a started copy
+        stays tracked for Fence)."""
         # Sent at once: a client writes no request before it knows the server has
         # this RPC (an older server's UNIMPLEMENTED then never races a write).
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata(((SESSION_BATCH, "1"),))
         if self._sessions_ending:
             return
-        writing = asyncio.Lock()  # gRPC takes one write at a time
+        batches = speaks_batches(context.invocation_metadata())
+        outbox: list[pb.SessionResponse] = []
+        writing = [False]  # one writer at a time (gRPC takes one write at a time)
         pending: set[asyncio.Task[None]] = set()
         ended = self.loop.create_future()
         waiting = [False]  # the reader waits for the next request (``stop`` may cut it)
 
-        async def send(response: pb.SessionResponse) -> None:
-            async with writing:
-                await context.write(response)
+        async def flush() -> None:
+            """Whoever finds nobody writing writes everything posted, its own and what
+            others post meanwhile; the others return at once."""
+            if writing[0]:
+                return
+            writing[0] = True
+            try:
+                while outbox:
+                    for message in batched(outbox) if batches else list(outbox):
+                        del outbox[: 1 + len(message.more)]
+                        await context.write(message)
+            finally:
+                writing[0] = False
 
         def finished(task: asyncio.Task[None]) -> None:
             pending.discard(task)
@@ -780,25 +795,28 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 ended.set_result(None)
 
         async def answer(rest: Awaitable[pb.SessionResponse]) -> None:
-            await send(await rest)
+            outbox.append(await rest)
+            await flush()
 
         async def read() -> None:
             iterator = aiter(requests)
             while True:
                 waiting[0] = True
                 try:
-                    request = await anext(iterator)
+                    message = await anext(iterator)
                 except StopAsyncIteration:
                     return
                 finally:
                     waiting[0] = False
-                done, value, ctx = eager(self._session_request(request, context))
-                if done:
-                    await send(value)
-                else:
-                    task = self.loop.create_task(answer(value), context=ctx)
-                    pending.add(task)
-                    task.add_done_callback(finished)
+                for request in _unbatched(message):
+                    done, value, ctx = eager(self._session_request(request, context))
+                    if done:
+                        outbox.append(value)
+                    else:
+                        task = self.loop.create_task(answer(value), context=ctx)
+                        pending.add(task)
+                        task.add_done_callback(finished)
+                await flush()
                 if self._sessions_ending:
                     return
 
@@ -827,9 +845,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             stop()
 
     async def _session_request(
-        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SessionRequest | Unparsed, context: grpc.aio.ServicerContext
     ) -> pb.SessionResponse:
-        if type(request) is Unparsed:  # no id to answer under: id 0, which no client uses
+        if isinstance(request, Unparsed):  # no id to answer under: id 0, which no client uses
             return pb.SessionResponse(id=0, error=request.envelope(new_request_id(), False))
         kind = request.WhichOneof("request")
         try:
@@ -958,3 +976,17 @@ class _Rest:
                     yielded = coro.send(sent)
                 except StopIteration as stop:
                     return stop.value
+
+
+def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:
+    """A message's requests, itself first, in the order sent (nested ``more`` too:
+    every request a client sent is answered)."""
+    if isinstance(message, Unparsed) or not message.more:
+        return [message]
+    out: list[pb.SessionRequest | Unparsed] = []
+    stack: list[pb.SessionRequest] = [message]
+    while stack:
+        request = stack.pop()
+        out.append(request)
+        stack.extend(reversed(request.more))
+    return out
