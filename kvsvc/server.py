@@ -836,6 +836,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             for task in list(pending):
                 task.cancel()
 
+    @property
+    def sessions_open(self) -> int:
+        return len(self._sessions)
+
     def end_sessions(self) -> None:
         """At shutdown, once copies are drained: every Session stream stops reading,
         answers what it holds and ends (left open, the server's stop would cancel
