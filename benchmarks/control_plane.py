@@ -572,6 +572,33 @@ def table(rs: list[dict]) -> str:
     )  # fmt: skip
 
 
+def session_goals(rs: list[dict]) -> list[tuple[str, str, str]]:
+    """Issue 18's goals for the session Lookup against LMCache's ZMQ transport
+    (get_chunk_size, its client threads), per kvsvc client over TCP, as
+    (goal, met/MISSED, figures)."""
+    out: list[tuple[str, str, str]] = []
+    for who, prefix in (("sync", "KVCacheClient"), ("async", "AsyncKVCacheClient")):
+
+        def pair(n: int, prefix: str = prefix) -> tuple[dict | None, dict | None]:
+            return (find(rs, SESSION, "tcp", prefix, n),
+                    find(rs, "LMCache get_chunk_size", "lmcache zmq", "its client", n))  # fmt: skip
+
+        checks = [(f"session p50 at 1 caller <= LMCache ZMQ p50 ({who} client)", 1, "p50_ms", 1)]
+        checks += [(f"session p99 at {n} callers <= LMCache ZMQ p99 ({who} client)", n, "p99_ms", 1)
+                   for n in (8, 32)]  # fmt: skip
+        checks += [(f"session calls/s at 32 callers >= LMCache ZMQ's ({who} client)", 32,
+                    "per_s", -1)]  # fmt: skip
+        for goal, n, key, sign in checks:
+            ours, theirs = pair(n)
+            if ours is None or theirs is None:
+                out.append((goal, "not measured", "LMCache did not run" if ours else "no row"))
+                continue
+            met = sign * ours[key] <= sign * theirs[key]
+            figures = f"{ours[key]:.3f} vs {theirs[key]:.3f} ({ours[key] / theirs[key]:.2f}x)"
+            out.append((goal, "met" if met else "MISSED", figures))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -582,6 +609,9 @@ def main() -> None:
     args = ap.parse_args()
     result = run(quick=args.quick, lmcache=not args.no_lmcache, lmcache_py=args.lmcache_python)
     print(table(rows(result)))
+    print()
+    print(md_table(["goal (issue 18)", "verdict", "kvsvc vs LMCache ZMQ"],
+                   session_goals(rows(result))))  # fmt: skip
     print()
     for note in result["notes"]:
         print(f"- {note}")

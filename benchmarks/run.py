@@ -318,6 +318,7 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
         goals.append((f"Lookup p99 well under (<= {WELL_UNDER}x) LMCache gRPC",
                       ("met" if g["p99_met"] else "MISSED") if g["p99"] else "not measured",
                       g["p99"] or "LMCache did not run"))  # fmt: skip
+        goals += control_plane.session_goals(rs)
     elif "control" in err:
         md += [f"Failed: {err['control']}", ""]
     # 3 + 4

@@ -334,7 +334,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.stream_stream
         auth = self.auth
 
-        async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> None:
             tenant, why = auth.identify(context.invocation_metadata(), _cert_names(context))
             if tenant is None:
                 auth.refuse(why, context.peer())
@@ -342,8 +342,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             # Not reset: the stream's task ends with it, and the tasks its requests run
             # in copy this context when they are made.
             TENANT.set(tenant)  # type: ignore[arg-type]  # abort raised if None
-            async for response in inner(requests, context):
-                yield response
+            await inner(requests, context)  # it answers by context.write
 
         return handler._replace(stream_stream=behavior)  # type: ignore[attr-defined,no-any-return]
 

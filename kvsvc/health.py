@@ -38,6 +38,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         #: set, then replaced, on every change: each watcher waits on the one it saw
         self._changed = asyncio.Event()
         self._shutting_down = False
+        #: Watch streams open now (a stop waits for them to end on their own)
+        self.watching = 0
 
     def set(self, service: str, status: Status) -> None:
         """Set one service's status; ignored after graceful shutdown began."""
@@ -89,6 +91,16 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         down and the stream has sent its final status."""
         if type(request) is Unparsed:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        self.watching += 1
+        try:
+            async for response in self._watch(request):
+                yield response
+        finally:
+            self.watching -= 1
+
+    async def _watch(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last: Status | None = None
         while True:
             changed = self._changed  # taken before reading: no change can slip between

@@ -25,6 +25,10 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.server")
 STOP_GRACE_S = 0.5
+#: How long a stop waits at least for Session and Watch streams to end by themselves.
+STREAMS_END_S = 5.0
+#: How long serve waits, after the stop, for grpc's last handler tasks.
+TASKS_END_S = 2.0
 #: Bound on waiting for the reaper task at stop (it ends at its next wake-up).
 REAPER_STOP_S = 5.0
 
@@ -176,6 +180,10 @@ class Server:
         if self.health_grpc is not None:
             log.info("health-only plaintext listener on %s", self.health_address)
 
+    def streams_open(self) -> int:
+        """Session and health Watch streams still open."""
+        return self.servicer.sessions_open + self.health.servicer.watching
+
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
         still answers, so probes see the truth); then stop the gRPC server."""
@@ -188,6 +196,11 @@ class Server:
         # Copies are drained; other calls are short, and health Watch streams never
         # end on their own, so they must not hold the exit for the whole grace.
         self.servicer.end_sessions()
+        # They end by themselves once they have sent what they hold; on a loaded
+        # host that can take longer than grpc's stop grace, which would cancel them.
+        streams_end = time.monotonic() + max(STREAMS_END_S, deadline - time.monotonic())
+        while self.streams_open() and time.monotonic() < streams_end:
+            await asyncio.sleep(0.01)
         await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         if self.health_grpc is not None:
             await self.health_grpc.stop(0)
@@ -258,5 +271,11 @@ async def serve(config: ServerConfig) -> int:
     else:
         log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
     await server.stop()
+    # grpc's handler tasks can outlive its stop by a moment (the call is over in the
+    # core, the coroutine not yet): asyncio.run would cancel them, and grpc logs
+    # each cancelled handler as an ERROR with a traceback.
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=TASKS_END_S)
     log.info("stopped")
     return 3 if fatal else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -58,6 +59,7 @@ from kvsvc.logs import REQUEST_ID
 from kvsvc.metrics import Metrics
 from kvsvc.regions import Mapping, RankMapping, open_rank
 from kvsvc.remote import RemoteTier
+from kvsvc.session import SESSION_BATCH, batched, speaks_batches
 from kvsvc.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.transfer import TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -69,8 +71,6 @@ MAP_RETRY_S = 0.02
 #: A SessionRequest's kind -> the RPC whose wrapper and handler serve it.
 #: How long after a Session request's deadline the server stops waiting for it.
 SESSION_GRACE_S = 1.0
-#: Put in a Session's answer queue by ``end_sessions``.
-_END_SESSION = pb.SessionResponse()
 SESSION_RPCS = {"lookup": "Lookup", "store": "Store", "retrieve": "Retrieve", "fence": "Fence"}
 
 
@@ -202,7 +202,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.engine = TransferEngine(config.transfer_threads)
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
-        self._sessions: set[asyncio.Queue[pb.SessionResponse | None]] = set()
+        self._sessions: set[Callable[[], None]] = set()  # how each Session stops reading
         self._sessions_ending = False
         self.fds = self._fd_broker(config)
         #: whose files Map opens by name (--shm-uids; regions.open_trusted)
@@ -748,67 +748,110 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
         )
 
-    async def Session(
+    async def Session(  # type: ignore[override]  # answers by context.write, not by yield
         self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SessionResponse]:
-        """Each request runs as its own task through its unary RPC's wrapper (checks,
-        health, metrics, failpoints, errors as on unary); answers go out as they are
-        ready. When the stream ends, pending requests are cancelled as a unary call
-        whose client went away would be (a started copy stays tracked for Fence)."""
+    ) -> None:
+        """Each request runs through its unary RPC's wrapper (checks, health, metrics,
+        failpoints, errors as on unary); answers go out as they are ready. A request
+        that completes without waiting (a Lookup, most errors) is answered by the
+        reader itself, with no task. Answers ready while one is being written go out
+        together in the next message when the client speaks batches (one message per
+        answer is most of a Lookup's cost). When the stream ends, pending requests are
+        cancelled as a unary call whose client went away would be (a started copy
+        stays tracked for Fence)."""
         # Sent at once: a client writes no request before it knows the server has
         # this RPC (an older server's UNIMPLEMENTED then never races a write).
-        await context.send_initial_metadata(())
+        await context.send_initial_metadata(((SESSION_BATCH, "1"),))
         if self._sessions_ending:
             return
-        out: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue()
+        batches = speaks_batches(context.invocation_metadata())
+        outbox: list[pb.SessionResponse] = []
+        writing = [False]  # one writer at a time (gRPC takes one write at a time)
         pending: set[asyncio.Task[None]] = set()
-        reading = [True]
+        ended = self.loop.create_future()
+        waiting = [False]  # the reader waits for the next request (``stop`` may cut it)
+
+        async def flush() -> None:
+            """Whoever finds nobody writing writes everything posted, its own and what
+            others post meanwhile; the others return at once."""
+            if writing[0]:
+                return
+            writing[0] = True
+            try:
+                while outbox:
+                    for message in batched(outbox) if batches else list(outbox):
+                        del outbox[: 1 + len(message.more)]
+                        await context.write(message)
+            finally:
+                writing[0] = False
 
         def finished(task: asyncio.Task[None]) -> None:
             pending.discard(task)
-            if not reading[0] and not pending:
-                out.put_nowait(None)
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                # Only a write can fail here (the client went away): its end of the
+                # stream then ends every request it still waits for.
+                log.info("session answer not delivered: %r", exc)
+            if reader.done() and not pending and not ended.done():
+                ended.set_result(None)
 
-        async def answer(request: pb.SessionRequest) -> None:
-            out.put_nowait(await self._session_request(request, context))
+        async def answer(rest: Awaitable[pb.SessionResponse]) -> None:
+            outbox.append(await rest)
+            await flush()
 
         async def read() -> None:
-            try:
-                async for request in requests:
-                    task = self.loop.create_task(answer(request))
-                    pending.add(task)
-                    task.add_done_callback(finished)
-            finally:
-                reading[0] = False
-                if not pending:
-                    out.put_nowait(None)
+            iterator = aiter(requests)
+            while True:
+                waiting[0] = True
+                try:
+                    message = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    waiting[0] = False
+                for request in _unbatched(message):
+                    done, value, ctx = eager(self._session_request(request, context))
+                    if done:
+                        outbox.append(value)
+                    else:
+                        task = self.loop.create_task(answer(value), context=ctx)
+                        pending.add(task)
+                        task.add_done_callback(finished)
+                await flush()
+                if self._sessions_ending:
+                    return
+
+        def stop() -> None:
+            """Shutdown: read no more; what was read is still answered."""
+            if waiting[0]:
+                reader.cancel()
 
         reader = self.loop.create_task(read())
-        self._sessions.add(out)
+        reader.add_done_callback(finished)
+        self._sessions.add(stop)
         try:
-            while (response := await out.get()) is not None:
-                if response is _END_SESSION:  # shutdown: read no more, answer what is held
-                    reader.cancel()
-                    continue
-                yield response
+            await ended
         finally:
-            self._sessions.discard(out)
+            self._sessions.discard(stop)
             reader.cancel()
             for task in list(pending):
                 task.cancel()
+
+    @property
+    def sessions_open(self) -> int:
+        return len(self._sessions)
 
     def end_sessions(self) -> None:
         """At shutdown, once copies are drained: every Session stream stops reading,
         answers what it holds and ends (left open, the server's stop would cancel
         it, and grpc logs each cancelled handler as an ERROR)."""
         self._sessions_ending = True
-        for out in self._sessions:
-            out.put_nowait(_END_SESSION)
+        for stop in list(self._sessions):
+            stop()
 
     async def _session_request(
-        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SessionRequest | Unparsed, context: grpc.aio.ServicerContext
     ) -> pb.SessionResponse:
-        if type(request) is Unparsed:  # no id to answer under: id 0, which no client uses
+        if isinstance(request, Unparsed):  # no id to answer under: id 0, which no client uses
             return pb.SessionResponse(id=0, error=request.envelope(new_request_id(), False))
         kind = request.WhichOneof("request")
         try:
@@ -895,3 +938,59 @@ def _timestamp(t: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
     ts.FromNanoseconds(int(t * 1e9))
     return ts
+
+
+def eager(coro: Coroutine[Any, Any, R]) -> tuple[bool, Any, contextvars.Context]:
+    """Runs a coroutine's first step now, in a context of its own, as Python 3.12's
+    eager tasks do: ``(True, result, ctx)`` when it finished without waiting (no
+    task, no trip through the loop), else ``(False, rest, ctx)``: an awaitable
+    that continues it, to be run in ``ctx``."""
+    ctx = contextvars.copy_context()
+    try:
+        first = ctx.run(coro.send, None)
+    except StopIteration as stop:
+        return True, stop.value, ctx
+    return False, _Rest(coro, first), ctx
+
+
+class _Rest:
+    """The rest of a coroutine whose first step yielded ``first`` (what ``yield from``
+    would do, from the second step on)."""
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro, self.first = coro, first
+
+    def __await__(self) -> Any:
+        coro, yielded = self.coro, self.first
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the coroutine, as await does
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:
+    """A message's requests, itself first, in the order sent (nested ``more`` too:
+    every request a client sent is answered)."""
+    if isinstance(message, Unparsed) or not message.more:
+        return [message]
+    out: list[pb.SessionRequest | Unparsed] = []
+    stack: list[pb.SessionRequest] = [message]
+    while stack:
+        request = stack.pop()
+        out.append(request)
+        stack.extend(reversed(request.more))
+    return out

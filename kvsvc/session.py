@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -33,6 +33,12 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 PATH = f"/{SERVICE.full_name}/Session"
+#: Metadata both ends send (the client when it opens the stream, the server in its
+#: initial metadata) when they read and write batches (``more``).
+SESSION_BATCH = "kvsvc-session-batch"
+#: A batch stays under this many bytes (a bigger request or answer, inline data,
+#: goes alone).
+BATCH_BYTES = 1 << 20
 #: The unary RPCs a session carries -> their SessionRequest/SessionResponse field.
 FIELDS = {"Lookup": "lookup", "Store": "store", "Retrieve": "retrieve", "Fence": "fence"}
 
@@ -54,6 +60,30 @@ class StreamStatus(grpc.RpcError):
 #: What pending requests get when their client closes (as a unary call cut by close).
 def _closed() -> StreamStatus:
     return StreamStatus(grpc.StatusCode.CANCELLED, "the client was closed")
+
+
+M = TypeVar("M", pb.SessionRequest, pb.SessionResponse)
+
+
+def speaks_batches(metadata: Any) -> bool:
+    """Whether the other end's metadata (any of grpc's forms) says it reads batches."""
+    return any(key == SESSION_BATCH and value == "1" for key, value in metadata or ())
+
+
+def batched(messages: list[M]) -> list[M]:
+    """The messages as batches of up to BATCH_BYTES, in order: each batch is its
+    first message carrying the next ones in ``more``."""
+    out: list[M] = []
+    size = 0
+    for message in messages:
+        n = message.ByteSize()
+        if out and size + n <= BATCH_BYTES:
+            out[-1].more.append(message)
+            size += n
+        else:
+            out.append(message)
+            size = n
+    return out
 
 
 def carries(plan: Plan[Any]) -> bool:
@@ -115,7 +145,7 @@ class SyncSession:
             _registered_method=True,
         )
         self._opened = threading.Event()
-        self._call = stream(self._requests(), metadata=metadata)
+        self._call = stream(self._requests(), metadata=(*(metadata or ()), (SESSION_BATCH, "1")))
         self._opened.set()
         threading.Thread(target=self._read, name="kvsvc-session-read", daemon=True).start()
         threading.Thread(target=self._expire, name="kvsvc-session-timer", daemon=True).start()
@@ -124,11 +154,22 @@ class SyncSession:
         # (grpc's thread) Nothing is written before the server's initial metadata: a
         # server without the RPC then answers UNIMPLEMENTED, never a racing INTERNAL.
         self._opened.wait()
-        self._call.initial_metadata()
+        batches = speaks_batches(self._call.initial_metadata())
         if self._call.done():
             return
         while (req := self._out.get()) is not None:
-            yield req
+            if not batches or self._out.empty():
+                yield req
+                continue
+            gathered, end = [req], False
+            while not end and not self._out.empty():
+                nxt = self._out.get_nowait()
+                end = nxt is None
+                if nxt is not None:
+                    gathered.append(nxt)
+            yield from batched(gathered)
+            if end:
+                return
 
     def send(self, plan: Plan[Any], done: Callable[[Any, BaseException | None], None]) -> None:
         """``done(response, None)`` or ``done(None, error)``, exactly once, by the
@@ -156,8 +197,10 @@ class SyncSession:
 
     def _read(self) -> None:
         try:
-            for response in self._call:
-                self._finish(response.id, response, None)
+            for message in self._call:
+                self._finish(message.id, message, None)
+                for response in message.more:
+                    self._finish(response.id, response, None)
             failure = StreamStatus(grpc.StatusCode.UNAVAILABLE, "the session stream ended")
         except grpc.RpcError as exc:
             failure = _broken(exc)
@@ -218,17 +261,29 @@ class AsyncSession:
             response_deserializer=pb.SessionResponse.FromString,
             _registered_method=True,
         )
-        self._call = stream(self._requests(), metadata=metadata)
+        self._call = stream(self._requests(), metadata=(*(metadata or ()), (SESSION_BATCH, "1")))
         self._reader = self._loop.create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.SessionRequest]:
         # Nothing is written before the server's initial metadata: a server without
         # the RPC then answers UNIMPLEMENTED, never a racing INTERNAL.
-        await self._call.initial_metadata()
+        batches = speaks_batches(await self._call.initial_metadata())
         if self._call.done():
             return
         while (req := await self._out.get()) is not None:
-            yield req
+            if not batches or self._out.empty():
+                yield req
+                continue
+            gathered, end = [req], False
+            while not end and not self._out.empty():
+                nxt = self._out.get_nowait()
+                end = nxt is None
+                if nxt is not None:
+                    gathered.append(nxt)
+            for message in batched(gathered):
+                yield message
+            if end:
+                return
 
     async def request(self, plan: Plan[Any]) -> Any:
         """The plan's unary response, or raises its ``grpc.RpcError``."""
@@ -252,14 +307,15 @@ class AsyncSession:
 
     async def _read(self) -> None:
         try:
-            async for response in self._call:
-                entry = self._pending.pop(response.id, None)
-                if entry is None:
-                    continue  # answered after its deadline
-                plan, fut, timer = entry
-                timer.cancel()
-                if not fut.done():
-                    fut.set_result(_response(plan, response))
+            async for message in self._call:
+                for response in (message, *message.more) if message.more else (message,):
+                    entry = self._pending.pop(response.id, None)
+                    if entry is None:
+                        continue  # answered after its deadline
+                    plan, fut, timer = entry
+                    timer.cancel()
+                    if not fut.done():
+                        fut.set_result(_response(plan, response))
             failure = StreamStatus(grpc.StatusCode.UNAVAILABLE, "the session stream ended")
         except asyncio.CancelledError:
             failure = _closed()

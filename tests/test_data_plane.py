@@ -287,7 +287,9 @@ def test_unmap_that_cannot_fence_in_time_keeps_the_mapping(spawn, shm_dir) -> No
         with pytest.raises(TransferUnprovable) as ei:
             c.unmap(m, timeout=0.5)
         assert ei.value.reason == "UNMAP_FENCE_TIMEOUT" or ei.value.metadata.get("grpcCode")
-        assert fut.result(10).stored_chunks == 2
+        # Two 4 s copies, one after the other where one copy thread takes both: a
+        # bound for a loaded host, not a timing claim.
+        assert fut.result(60).stored_chunks == 2
         assert c.server_info().mappings == 1
         assert c.unmap(m).fenced_transfers == 0
 

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -177,17 +178,28 @@ def _check(method: str, response: Any) -> None:
         assert response.error.reason not in ("HANDLER_FAILED", "FATAL_SERVER_ERROR"), response.error
 
 
-def _check_session(responses: list[pb.SessionResponse]) -> None:
-    """One frame in, one answer out: the request's own response, or an envelope error
-    (a kind this server does not know, or bytes that did not parse: id 0)."""
-    assert len(responses) == 1, responses
-    kind = responses[0].WhichOneof("response")
-    assert kind is not None, responses[0]
-    if kind == "error":
-        error = responses[0].error
-        assert error.reason in REASONS and error.reason != "HANDLER_FAILED", error
-    else:
-        _check(kind, getattr(responses[0], kind))
+def _check_session(raw: bytes, responses: list[pb.SessionResponse]) -> None:
+    """One answer per request the frame carries (itself and those in ``more``, nested
+    too), each in its own message (this client did not ask for batches): the
+    request's own response, or an envelope error (a kind this server does not know,
+    or bytes that did not parse: one answer, id 0)."""
+    try:
+        stack, carried = [pb.SessionRequest.FromString(raw)], 0
+        while stack:
+            carried += 1
+            stack.extend(stack.pop().more)
+    except DecodeError:
+        carried = 1
+    assert len(responses) == carried, responses
+    for response in responses:
+        assert not response.more, response
+        kind = response.WhichOneof("response")
+        assert kind is not None, response
+        if kind == "error":
+            assert response.error.reason in REASONS, response.error
+            assert response.error.reason != "HANDLER_FAILED", response.error
+        else:
+            _check(kind, getattr(response, kind))
 
 
 def _call(channel: grpc.Channel, method: str, raw: bytes, token: str | None) -> None:
@@ -200,7 +212,7 @@ def _call(channel: grpc.Channel, method: str, raw: bytes, token: str | None) -> 
             stream = channel.stream_stream(
                 path, request_serializer=lambda b: b, response_deserializer=response_cls.FromString
             )
-            _check_session(list(stream(iter([raw]), timeout=5, metadata=metadata)))
+            _check_session(raw, list(stream(iter([raw]), timeout=5, metadata=metadata)))
             return
         rpc = channel.unary_unary(
             path, request_serializer=lambda b: b, response_deserializer=response_cls.FromString

@@ -26,7 +26,7 @@ from kvsvc.errors import (
     TransferUnprovable,
 )
 from kvsvc.lifecycle import Server
-from kvsvc.session import AsyncSession, SyncSession
+from kvsvc.session import SESSION_BATCH, AsyncSession, SyncSession, speaks_batches
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -158,6 +158,44 @@ def test_a_request_of_an_unknown_kind_is_answered_under_its_id(server) -> None:
     assert got[7].WhichOneof("response") == "error"
     assert got[7].error.reason == "UNSUPPORTED_REQUEST"
     assert got[8].lookup.result.hit_chunks == 0
+
+
+@pytest.mark.parametrize("client_batches", [True, False])
+def test_every_request_of_a_batch_is_answered_under_its_id(server, client, client_batches) -> None:
+    """Requests carried in ``more`` (nested too) are each answered as if sent alone;
+    answers come back batched only to a client that said it reads batches."""
+    client.put("ns", [(b"k", b"v")])
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.KVCacheServiceStub(ch)
+        hit = pb.LookupRequest(namespace="ns", keys=[b"k"])
+        batch = pb.SessionRequest(id=1, lookup=hit)
+        batch.more.add(id=2, lookup=pb.LookupRequest(namespace="ns", keys=[b"x"]))
+        batch.more.add(id=3)  # a kind this server does not know
+        nested = batch.more.add(id=4, fence=pb.FenceRequest())  # fence needs a target
+        nested.more.add(id=5, lookup=hit)
+        metadata = ((SESSION_BATCH, "1"),) if client_batches else ()
+        call = stub.Session(iter([batch]), timeout=30, metadata=metadata)
+        messages = list(call)
+        assert speaks_batches(call.initial_metadata())
+    got = {r.id: r for m in messages for r in (m, *m.more)}
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert got[1].lookup.result.hit_chunks == 1 and got[5].lookup.result.hit_chunks == 1
+    assert got[2].lookup.result.hit_chunks == 0
+    assert got[3].error.reason == "UNSUPPORTED_REQUEST"
+    assert got[4].fence.error.reason == "INVALID_ARGUMENT"
+    if not client_batches:
+        assert len(messages) == 5 and not any(m.more for m in messages)
+
+
+async def test_many_callers_on_one_session_each_get_their_own_answer(server, client) -> None:
+    """Under load answers share messages; each still reaches its own caller."""
+    client.put("ns", [(b"%d" % i, b"v") for i in range(0, 400, 2)])
+    async with AsyncKVCacheClient(server.address) as ac:
+        hits = await asyncio.wait_for(
+            asyncio.gather(*[ac.lookup([b"%d" % i], namespace="ns") for i in range(400)]), 120
+        )
+        assert ac.use_session
+    assert hits == [1 - i % 2 for i in range(400)]
 
 
 def test_a_request_past_its_deadline_is_not_started(server) -> None:

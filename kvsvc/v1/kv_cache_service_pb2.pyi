@@ -1094,6 +1094,7 @@ class SessionRequest(_message.Message):
     STORE_FIELD_NUMBER: _builtins.int
     RETRIEVE_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Chosen by the client, unique among its pending requests on this stream;
     the response carries it back.
@@ -1112,6 +1113,14 @@ class SessionRequest(_message.Message):
     def retrieve(self) -> Global___RetrieveRequest: ...
     @_builtins.property
     def fence(self) -> Global___FenceRequest: ...
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionRequest]:
+        """Further requests sent in the same message, each handled exactly as if it had
+        come in a message of its own (under load, one message per request is most of
+        a request's cost). A client sends them only to a server whose initial
+        metadata carries "kvsvc-session-batch: 1".
+        """
+
     def __init__(
         self,
         *,
@@ -1121,10 +1130,11 @@ class SessionRequest(_message.Message):
         store: Global___StoreRequest | None = ...,
         retrieve: Global___RetrieveRequest | None = ...,
         fence: Global___FenceRequest | None = ...,
+        more: _abc.Iterable[Global___SessionRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "lookup", b"lookup", "request", b"request", "retrieve", b"retrieve", "store", b"store", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "lookup", b"lookup", "request", b"request", "retrieve", b"retrieve", "store", b"store", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "id", b"id", "lookup", b"lookup", "more", b"more", "request", b"request", "retrieve", b"retrieve", "store", b"store", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["lookup", "store", "retrieve", "fence"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
@@ -1144,6 +1154,7 @@ class SessionResponse(_message.Message):
     RETRIEVE_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     @_builtins.property
     def lookup(self) -> Global___LookupResponse: ...
@@ -1157,6 +1168,13 @@ class SessionResponse(_message.Message):
     def error(self) -> _error_pb2.RemoteError:
         """For a request of a kind this server does not know (an unset oneof)."""
 
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionResponse]:
+        """Further answers sent in the same message, each as if in a message of its
+        own. A server sends them only on a stream opened with the metadata
+        "kvsvc-session-batch: 1".
+        """
+
     def __init__(
         self,
         *,
@@ -1166,10 +1184,11 @@ class SessionResponse(_message.Message):
         retrieve: Global___RetrieveResponse | None = ...,
         fence: Global___FenceResponse | None = ...,
         error: _error_pb2.RemoteError | None = ...,
+        more: _abc.Iterable[Global___SessionResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence", "lookup", b"lookup", "response", b"response", "retrieve", b"retrieve", "store", b"store"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence", "id", b"id", "lookup", b"lookup", "response", b"response", "retrieve", b"retrieve", "store", b"store"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "fence", b"fence", "id", b"id", "lookup", b"lookup", "more", b"more", "response", b"response", "retrieve", b"retrieve", "store", b"store"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["lookup", "store", "retrieve", "fence", "error"]  # noqa: Y015
     _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015

@@ -1,0 +1,85 @@
+"""kvsvc.server.eager: a Session request that never waits is answered in the
+reader's own step; one that waits goes on in a task exactly as if it had been a
+task from the start (its context, its cancellation, its errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+
+import pytest
+
+from kvsvc.server import eager
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="outer")
+
+
+async def no_wait() -> str:
+    VAR.set("inner")
+    return "done"
+
+
+async def waits(gate: asyncio.Event, trace: list[str]) -> str:
+    token = VAR.set("inner")
+    try:
+        trace.append("first step")
+        await gate.wait()
+        trace.append(f"second step sees {VAR.get()}")
+        return "done"
+    finally:
+        VAR.reset(token)  # raises if the rest ran in another context
+        trace.append("finally")
+
+
+def test_a_coroutine_that_never_waits_ends_in_the_first_step_and_leaves_the_caller_alone() -> None:
+    done, value, ctx = eager(no_wait())
+    assert (done, value) == (True, "done")
+    assert VAR.get() == "outer" and ctx[VAR] == "inner"
+
+
+def test_one_that_waits_continues_in_its_own_context() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        done, rest, ctx = eager(waits(gate, trace))
+        assert not done and trace == ["first step"]
+        task = asyncio.get_running_loop().create_task(_await(rest), context=ctx)
+        await asyncio.sleep(0)
+        gate.set()
+        assert await asyncio.wait_for(task, 10) == "done"
+        assert VAR.get() == "outer"
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "second step sees inner", "finally"]
+
+
+def test_cancelling_the_rest_cancels_the_coroutine_where_it_waits() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        _, rest, ctx = eager(waits(gate, trace))
+        task = asyncio.get_running_loop().create_task(_await(rest), context=ctx)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "finally"]
+
+
+def test_an_error_after_the_wait_reaches_whoever_awaits_the_rest() -> None:
+    async def fails() -> None:
+        await asyncio.sleep(0.001)
+        raise KeyError("late")
+
+    async def go() -> None:
+        _, rest, ctx = eager(fails())
+        with pytest.raises(KeyError, match="late"):
+            await asyncio.wait_for(
+                asyncio.get_running_loop().create_task(_await(rest), context=ctx), 10
+            )
+
+    asyncio.run(go())
+
+
+async def _await(rest: object) -> object:
+    return await rest  # type: ignore[misc]
