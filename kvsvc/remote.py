@@ -8,6 +8,10 @@ or Redis Cluster), behind the local store and best-effort by design.
   (EXISTS for Lookup within its budget, GET for Retrieve within the call's
   deadline); verified values are copied into the local store like a Store would
   reserve and commit them, so the copy into the engine's blocks is the usual one.
+- Lookup's EXISTS runs on the server's event loop (redis.asyncio): a hop to a
+  thread and back cost more than the round trip itself. GETs and SETs of large
+  values stay on threads (sync redis-py was faster for them, and parsing
+  megabytes on the loop would stall every other call); docs/benchmarks.md §7.
 - Redis is never part of the contract: every call has socket timeouts and no
   retries, a circuit breaker stops calling a Redis that keeps failing and lets
   one probe through after a pause, and a failure is a miss and a counter —
@@ -25,8 +29,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import queue
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio as aredis
 import redis.exceptions as rx
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
@@ -53,6 +61,11 @@ from kvsvc.config import (
 from kvsvc.copies import checksum, segments
 from kvsvc.errors import CapacityExhausted, _BoundedLog
 from kvsvc.store import Chunk, ChunkStore
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # redis-py depends on async-timeout below 3.11.3
+    from async_timeout import timeout as _deadline
 
 log = logging.getLogger("kvsvc.remote")
 _warn = _BoundedLog(log, 10.0)
@@ -86,7 +99,7 @@ CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 def error_kind(exc: BaseException) -> str:
     if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
         return AUTH
-    if isinstance(exc, rx.TimeoutError | TimeoutError):
+    if isinstance(exc, rx.TimeoutError | TimeoutError | asyncio.TimeoutError):
         return TIMEOUT
     if isinstance(exc, rx.ConnectionError | rx.ClusterError | rx.RedisClusterException | OSError):
         return CONNECTION
@@ -276,6 +289,8 @@ class RemoteTier:
         self._password = remote_password(config)
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._aclient: Any = None  # used on the loop only
+        self._asking = 0  # asyncio exchanges in flight
         # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
         self._stats_lock = threading.Lock()
         self.hits = 0
@@ -337,6 +352,16 @@ class RemoteTier:
             if self._client is not None:
                 self._client.close()
 
+    async def aclose(self) -> None:
+        """close(), and the loop's connections (Lookup's), within --remote-timeout."""
+        self.close()
+        client, self._aclient = self._aclient, None
+        if client is not None:
+            try:
+                await asyncio.wait_for(client.aclose(), self.timeout)
+            except Exception as exc:  # noqa: BLE001 - closing: the sockets go anyway
+                log.debug("remote tier: closing the asyncio client: %s", exc)
+
     def _redis(self) -> Any:
         """The client, made on first use (a Redis Cluster client asks the cluster
         for its slots when made, which fails while the cluster is down)."""
@@ -345,26 +370,46 @@ class RemoteTier:
                 self._client = self._make_client()
             return self._client
 
-    def _make_client(self) -> Any:
+    def _settings(self) -> tuple[str, dict[str, Any]]:
+        """The URL redis-py parses and the settings of every connection, sync and
+        asyncio alike: explicit timeouts, no health-check pings (no retries is
+        set by each maker, as the two clients take different Retry classes)."""
         scheme, rest = self.url.split("://", 1)
-        url = scheme.replace("+cluster", "") + "://" + rest
-        common: dict[str, Any] = {
+        settings: dict[str, Any] = {
             "password": self._password,
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
             "health_check_interval": 0,
         }
+        return scheme.replace("+cluster", "") + "://" + rest, settings
+
+    def _make_client(self) -> Any:
+        url, settings = self._settings()
         no_retry = Retry(NoBackoff(), 0)
         if self.cluster:
-            return RedisCluster.from_url(url, retry=no_retry, **common)
+            return RedisCluster.from_url(url, retry=no_retry, **settings)
         pool = redis.BlockingConnectionPool.from_url(
             url,
             max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
             timeout=self.timeout,
             retry=no_retry,
-            **common,
+            **settings,
         )
         return redis.Redis(connection_pool=pool)
+
+    def _aredis(self) -> Any:
+        """The asyncio client for Lookup, on the loop, made on first use."""
+        if self._aclient is None:
+            url, settings = self._settings()
+            no_retry = AsyncRetry(NoBackoff(), 0)
+            if self.cluster:
+                self._aclient = aredis.RedisCluster.from_url(url, retry=no_retry, **settings)
+            else:
+                pool = aredis.ConnectionPool.from_url(
+                    url, max_connections=REMOTE_FETCHERS, retry=no_retry, **settings
+                )
+                self._aclient = aredis.Redis(connection_pool=pool)
+        return self._aclient
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
         """Run one Redis exchange under the breaker; raise only _Skipped."""
@@ -508,17 +553,79 @@ class RemoteTier:
     async def present(self, namespace: str, layout: str, keys: list[bytes]) -> list[bool]:
         """Whether Redis holds each of ``keys`` (Lookup; values are verified when
         Retrieve fetches them); [] when it cannot say within the budget. One
-        pipelined EXISTS round trip."""
+        pipelined EXISTS round trip, on the loop."""
         rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
+        found = await self._ask(rkeys, self.lookup_budget)
+        return [] if found is None else [bool(f) for f in found]
 
-        def exists(r: Any) -> list[int]:
+    async def _ask(self, rkeys: list[bytes], budget: float) -> list[int] | None:
+        """EXISTS of each key, or None: skipped, failed or over budget. The exchange
+        is a task bounded by --remote-timeout; past the budget the caller goes on
+        and the task ends by itself (its outcome still feeds the breaker), so a
+        cut-off read never leaves a connection mid-reply."""
+        if self.breaker.blocked():
+            self._count(self.errors, BREAKER_OPEN)
+            return None
+        if self._asking >= REMOTE_FETCHERS:
+            self._count(self.errors, BUSY)
+            return None
+        self._asking += 1
+        task = self.loop.create_task(self._acall(rkeys))
+        task.add_done_callback(self._done_asking)
+        try:
+            async with _deadline(max(budget, 0.0)):
+                return await asyncio.shield(task)
+        except asyncio.TimeoutError:
+            self._count(self.errors, "budget")
+            task.add_done_callback(_consume)
+            return None
+        except _Skipped:
+            return None
+
+    def _done_asking(self, _task: asyncio.Task[list[int]]) -> None:
+        self._asking -= 1
+
+    async def _acall(self, rkeys: list[bytes]) -> list[int]:
+        """The asyncio twin of _call for EXISTS: the breaker, one deadline of
+        --remote-timeout for connect, send and reply together; raises only _Skipped."""
+        if self._closed or not self.breaker.allow():
+            self._count(self.errors, BREAKER_OPEN)
+            raise _Skipped(BREAKER_OPEN)
+        try:
+            async with _deadline(self.timeout):
+                found = await self._exists(self._aredis(), rkeys)
+        except Exception as exc:  # a Redis failure is a miss, counted
+            self._count_error(exc)
+            if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
+                stale, self._aclient = self._aclient, None  # maybe a stale slot table
+                if stale is not None:
+                    with contextlib.suppress(Exception):
+                        await stale.aclose()
+            self.breaker.failure()
+            _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+            raise _Skipped(error_kind(exc)) from exc
+        self.breaker.success()
+        return found
+
+    async def _exists(self, r: Any, rkeys: list[bytes]) -> list[int]:
+        """One pipelined EXISTS round trip. Standalone: the pool's connection
+        directly, with the one deadline around it rather than redis-py's timer per
+        reply (those timers were half the cost of the exchange); a reply cut off
+        disconnects the connection (redis-py does it), never returns it mid-reply."""
+        if self.cluster:  # keys on every shard: redis-py groups them by node
             pipe = r.pipeline(transaction=False)
             for k in rkeys:
                 pipe.exists(k)
-            return list(pipe.execute())
-
-        found = await self._exchange(exists, self.lookup_budget)
-        return [] if found is None else [bool(f) for f in found]
+            return list(await pipe.execute())
+        pool = r.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(
+                conn.pack_commands([("EXISTS", k) for k in rkeys]), check_health=False
+            )
+            return [await conn.read_response(timeout=math.inf) for _ in rkeys]
+        finally:
+            await pool.release(conn)
 
     async def fetch(self, namespace: str, layout: str, keys: list[bytes], budget: float) -> int:
         """Bring ``keys`` missing from the local store, verified, from Redis into it up

@@ -5,6 +5,7 @@ credentials refused."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aredis
 import torch
 from conftest import SERVING, ServerThread, health_status, make_cache
 from prometheus_client import generate_latest
@@ -395,8 +397,9 @@ def test_unreachable_redis_at_start_up_still_serves(node) -> None:
 
 
 def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, float | None]]:
-    """(retries, socket timeout, connect timeout) of every connection the tier's client
-    would open: the client itself, and each cluster node's pool."""
+    """(retries, socket timeout, connect timeout) of every connection the tier's clients
+    would open: the sync client (reads and writes on threads) and the asyncio one
+    (Lookup on the loop), and each cluster node's pool."""
     client = remote._redis()
     if isinstance(client, redis.RedisCluster):
         pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
@@ -410,14 +413,43 @@ def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, floa
     return out
 
 
+def async_settings(st: ServerThread) -> list[tuple[int, float | None, float | None]]:
+    """The same for the asyncio client, made on the server's loop as Lookup makes it."""
+    remote = tier(st)
+
+    async def read() -> list[tuple[int, float | None, float | None]]:
+        client = remote._aredis()
+        if isinstance(client, aredis.RedisCluster):
+            await client.initialize()
+            out = [(client.retry.get_retries(), None, None)]
+            nodes = client.get_nodes()
+            conns = [n.acquire_connection() for n in nodes]
+            for n, conn in zip(nodes, conns, strict=True):
+                n.release(conn)
+        else:
+            out = [(-1, None, None)]  # no client-level retry: the connections' own
+            conns = [client.connection_pool.make_connection()]
+        for conn in conns:
+            out.append(
+                (conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout)
+            )
+        return out
+
+    return asyncio.run_coroutine_threadsafe(read(), remote.loop).result(30)
+
+
 def test_every_redis_connection_has_timeouts_and_no_retries(node, redis_server, tmp_path) -> None:
     # redis-py's default Retry turns a dead Redis into seconds per call.
     a, _ = node("a", redis_server.url, remote_timeout=0.25)
     assert data_path_settings(tier(a)) == [(0, 0.25, 0.25)]
+    assert async_settings(a) == [(-1, None, None), (0, 0.25, 0.25)]
     cluster = RedisCluster(tmp_path / "cluster")
     try:
         c, _ = node("c", cluster.url, remote_timeout=0.25)
         settings = data_path_settings(tier(c))
+        assert settings[0][0] == 0
+        assert settings[1:] == [(0, 0.25, 0.25)] * 3
+        settings = async_settings(c)
         assert settings[0][0] == 0
         assert settings[1:] == [(0, 0.25, 0.25)] * 3
     finally:
