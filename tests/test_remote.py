@@ -430,9 +430,7 @@ def async_settings(st: ServerThread) -> list[tuple[int, float | None, float | No
             out = [(-1, None, None)]  # no client-level retry: the connections' own
             conns = [client.connection_pool.make_connection()]
         for conn in conns:
-            out.append(
-                (conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout)
-            )
+            out.append((conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout))
         return out
 
     return asyncio.run_coroutine_threadsafe(read(), remote.loop).result(30)
