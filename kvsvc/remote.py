@@ -31,6 +31,7 @@ import contextlib
 import logging
 import math
 import queue
+import ssl
 import struct
 import sys
 import threading
@@ -77,10 +78,11 @@ FORMAT_VERSION = 2
 _HEAD = struct.Struct("<3sBHHQQI")
 
 # Error kinds (the label of kvsvc_remote_errors).
-TIMEOUT, CONNECTION, AUTH, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
+TIMEOUT, CONNECTION, AUTH, TLS, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
     "timeout",
     "connection",
     "auth",
+    "tls",
     "response",
     "breaker_open",
     "busy",
@@ -99,6 +101,8 @@ CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 def error_kind(exc: BaseException) -> str:
     if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
         return AUTH
+    if _tls_failure(exc):
+        return TLS
     if isinstance(exc, rx.TimeoutError | TimeoutError | asyncio.TimeoutError):
         return TIMEOUT
     if isinstance(exc, rx.ConnectionError | rx.ClusterError | rx.RedisClusterException | OSError):
@@ -107,6 +111,19 @@ def error_kind(exc: BaseException) -> str:
         text = str(exc)
         return AUTH if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")) else RESPONSE
     return OTHER
+
+
+def _tls_failure(exc: BaseException, kind: type[ssl.SSLError] = ssl.SSLError) -> bool:
+    """Whether ``exc`` comes from a failed TLS exchange (redis-py raises its own
+    ConnectionError while handling ssl's error)."""
+    seen: BaseException | None = exc
+    for _ in range(5):  # a short chain; no cycles followed forever
+        if seen is None:
+            return False
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 # --- values ---
@@ -286,6 +303,11 @@ class RemoteTier:
         self.queue_limit = min(config.remote_queue_bytes, store.capacity // 4)
         self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
         self.cluster = "+cluster" in config.remote.split("://", 1)[0]
+        self.tls_ca, self.tls_cert, self.tls_key = (
+            config.remote_tls_ca,
+            config.remote_tls_cert,
+            config.remote_tls_key,
+        )
         self._password = remote_password(config)
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -328,6 +350,11 @@ class RemoteTier:
                 raise ConfigError(
                     f"--remote {self.where}: Redis refused the credentials "
                     f"(--remote-password-file, the URL's user name): {exc}"
+                ) from None
+            if _tls_failure(exc, ssl.SSLCertVerificationError):  # will not heal
+                raise ConfigError(
+                    f"--remote {self.where}: Redis' TLS certificate did not verify "
+                    f"(--remote-tls-ca, the host name in the URL): {exc.__context__ or exc}"
                 ) from None
             log.warning(
                 "remote tier: Redis at %s does not answer at start-up (%s: %s); serving "
@@ -381,6 +408,15 @@ class RemoteTier:
             "socket_connect_timeout": self.timeout,
             "health_check_interval": 0,
         }
+        if scheme.startswith("rediss"):  # certificates and host name always verified
+            settings["ssl_cert_reqs"] = "required"
+            for name, path in (
+                ("ssl_ca_certs", self.tls_ca),
+                ("ssl_certfile", self.tls_cert),
+                ("ssl_keyfile", self.tls_key),
+            ):
+                if path:
+                    settings[name] = path
         return scheme.replace("+cluster", "") + "://" + rest, settings
 
     def _make_client(self) -> Any:

@@ -17,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 import torch
+from certs import make_ca, make_cert
 from conftest import SERVING, ServerThread, health_status, make_cache
 from prometheus_client import generate_latest
 from redis_servers import RedisCluster, RedisServer, free_port, require_redis
@@ -466,3 +467,121 @@ def test_ttl_and_prefix_are_applied_to_every_value(node, redis_server) -> None:
     assert all(k.startswith("team1:") for k in keys), keys
     ttls = [int(redis_server.cli("ttl", k).strip()) for k in keys]
     assert all(0 < t <= 300 for t in ttls), ttls
+
+
+# --- TLS (rediss://) and ACL users ------------------------------------------------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA, a Redis server certificate for 127.0.0.1, a client certificate, and a CA
+    that signed neither."""
+    d = tmp_path_factory.mktemp("pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_cert(d, "ca", "server", "localhost", "DNS:localhost,IP:127.0.0.1")
+    make_cert(d, "ca", "client", "kvsvc")
+    return d
+
+
+def tls_files(pki: Path, ca: str = "ca") -> dict[str, str]:
+    return {
+        "remote_tls_ca": str(pki / f"{ca}.pem"),
+        "remote_tls_cert": str(pki / "client.pem"),
+        "remote_tls_key": str(pki / "client.key"),
+    }
+
+
+def test_tls_redis_round_trip_with_ca_and_client_certificate(node, pki, tmp_path) -> None:
+    require_redis()
+    r = RedisServer(tmp_path / "redis", tls=pki)  # TLS only, client certificates required
+    try:
+        assert r.url.startswith("rediss://")
+        with pytest.raises(redis.ConnectionError):  # nothing answers in plaintext
+            redis.Redis(port=r.port, socket_timeout=2, retry=None).ping()
+        a, shm_a = node("a", r.url, **tls_files(pki))
+        b, shm_b = node("b", r.url, **tls_files(pki))
+        src = make_cache(shm_a, "src", seed=11)
+        dst = make_cache(shm_b, "dst")
+        with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+            ma = ca.map("llama", [src.rank_region()])
+            mb = cb.map("llama", [dst.rank_region()])
+            assert ca.store(ma, [(b"t1", [0, 1]), (b"t2", [2])]).stored_chunks == 2
+            wait_for("written over TLS", lambda: tier(a).writes == 2)
+            # Lookup (asyncio, on the loop) and Retrieve (threads), both over TLS.
+            assert cb.lookup([b"t1", b"t2", b"t3"], mapping=mb) == 2
+            assert cb.retrieve(mb, [(b"t1", [5, 6]), (b"t2", [7])]).loaded_chunks == 2
+            assert all(
+                torch.equal(x, y)
+                for x, y in zip(blocks(src, [0, 1, 2]), blocks(dst, [5, 6, 7]), strict=True)
+            )
+            assert tier(a).errors == {} and tier(b).errors == {}
+        assert int(r.cli("dbsize").strip()) == 2
+    finally:
+        r.kill()
+
+
+def test_tls_certificate_refused_or_missing(node, pki, tmp_path) -> None:
+    require_redis()
+    r = RedisServer(tmp_path / "redis", tls=pki)
+    try:
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        # A CA that did not sign Redis' certificate: one error at start-up, exit 2
+        # (it will not heal by itself).
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in tls_files(pki, "other-ca").items()]
+        done = serve(shm, "--remote", r.url, *flags)
+        assert done.returncode == 2, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvsvc serve:")]
+        assert len(lines) == 1 and "TLS certificate did not verify" in lines[0], done.stderr
+        # TLS files without rediss:// are refused before anything starts.
+        done = serve(shm, "--remote", f"redis://127.0.0.1:{r.port}", "--remote-tls-ca",
+                     str(pki / "ca.pem"))  # fmt: skip
+        assert done.returncode == 2 and "rediss://" in done.stderr, done.stderr
+
+        # No client certificate (Redis asks for one): degraded, counted, still serving.
+        a, _ = node("a", r.url, remote_tls_ca=str(pki / "ca.pem"), remote_timeout=1.0)
+        with KVCacheClient(a.address) as ca:
+            ca.put("ns", [(b"k", b"v")])
+            assert ca.lookup([b"k", b"x"], namespace="ns") == 1
+            wait_for("write dropped", lambda: tier(a).dropped_writes == 1)
+        assert health_status(a.address) == SERVING
+        errors = tier(a).errors
+        assert errors.get("tls", 0) + errors.get("connection", 0) >= 1, errors
+        assert tier(a).writes == 0
+    finally:
+        r.kill()
+
+
+def test_acl_user_name_in_the_url_password_from_the_file(node, tmp_path) -> None:
+    require_redis()
+    # An ACL user; the default user is off, so every call kvsvc makes needs it.
+    r = RedisServer(tmp_path / "redis", user="kv-writer", password="acl-pass-1")
+    try:
+        assert r.url.startswith("redis://kv-writer@")
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        wrong = tmp_path / "wrong"
+        wrong.write_text("acl-pass-2\n")
+        done = serve(shm, "--remote", r.url, "--remote-password-file", str(wrong))
+        assert done.returncode == 2, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvsvc serve:")]
+        assert len(lines) == 1 and "Redis refused the credentials" in lines[0], done.stderr
+        assert "acl-pass" not in done.stderr
+
+        good = tmp_path / "good"
+        good.write_text("acl-pass-1\n")
+        a, _ = node("a", r.url, remote_password_file=str(good))
+        b, _ = node("b", r.url, remote_password_file=str(good))
+        with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+            ca.put("ns", [(b"k", b"v")])
+            wait_for("written as the ACL user", lambda: tier(a).writes == 1)
+            assert cb.lookup([b"k"], namespace="ns") == 1  # asyncio client, same user
+            assert cb.get("ns", b"k") == b"v"  # sync client, same user
+        users = {
+            field.split("=", 1)[1]
+            for line in r.cli("client", "list").splitlines()
+            for field in line.split()
+            if field.startswith("user=")
+        }
+        assert users <= {"kv-writer"}, users
+    finally:
+        r.kill()
