@@ -128,6 +128,9 @@ REMOTE_FETCHERS = 4
 REMOTE_WRITERS = 2
 # A writer sends up to this many bytes of queued chunks in one pipeline.
 REMOTE_WRITE_BATCH_BYTES = 64 * MiB
+# --remote's host name is looked up again this often (a failed lookup: after
+# REMOTE_BREAKER_OPEN_S); Redis is called only while the last answer was good.
+REMOTE_DNS_REFRESH_S = 30.0
 
 # --- client deadlines ---
 DEFAULT_TRANSFER_DEADLINE_S = 30.0

@@ -28,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
 import math
 import queue
+import socket
 import ssl
 import struct
 import sys
@@ -39,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aredis
@@ -48,9 +51,11 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from kvsvc import failpoints
 from kvsvc.config import (
     REMOTE_BREAKER_FAILURES,
     REMOTE_BREAKER_OPEN_S,
+    REMOTE_DNS_REFRESH_S,
     REMOTE_FETCHERS,
     REMOTE_WRITE_BATCH_BYTES,
     REMOTE_WRITERS,
@@ -78,11 +83,12 @@ FORMAT_VERSION = 2
 _HEAD = struct.Struct("<3sBHHQQI")
 
 # Error kinds (the label of kvsvc_remote_errors).
-TIMEOUT, CONNECTION, AUTH, TLS, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
+TIMEOUT, CONNECTION, AUTH, TLS, DNS, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
     "timeout",
     "connection",
     "auth",
     "tls",
+    "dns",
     "response",
     "breaker_open",
     "busy",
@@ -101,8 +107,10 @@ CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 def error_kind(exc: BaseException) -> str:
     if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
         return AUTH
-    if _tls_failure(exc):
+    if _caused_by(exc, ssl.SSLError):
         return TLS
+    if _caused_by(exc, socket.gaierror):
+        return DNS
     if isinstance(exc, rx.TimeoutError | TimeoutError | asyncio.TimeoutError):
         return TIMEOUT
     if isinstance(exc, rx.ConnectionError | rx.ClusterError | rx.RedisClusterException | OSError):
@@ -113,9 +121,9 @@ def error_kind(exc: BaseException) -> str:
     return OTHER
 
 
-def _tls_failure(exc: BaseException, kind: type[ssl.SSLError] = ssl.SSLError) -> bool:
-    """Whether ``exc`` comes from a failed TLS exchange (redis-py raises its own
-    ConnectionError while handling ssl's error)."""
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is or comes from a ``kind`` (redis-py raises its own
+    ConnectionError while handling ssl's or the resolver's error)."""
     seen: BaseException | None = exc
     for _ in range(5):  # a short chain; no cycles followed forever
         if seen is None:
@@ -276,6 +284,65 @@ class Breaker:
                 self._opened = time.monotonic()
 
 
+class Resolver:
+    """Looks --remote's host name up on its own thread, one lookup at a time, so a
+    DNS server that never answers blocks that thread only, never a caller or a
+    reader/writer thread. Redis is called only while the last lookup answered and
+    none has been waiting longer than --remote-timeout (redis-py then looks the
+    name up again as it connects, and the system's cache answers it; a DNS that
+    stops answering between the two lookups is not covered). IP addresses need
+    no lookup."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or ""
+        self.port = parts.port or 6379
+        self.timeout = timeout
+        try:
+            ipaddress.ip_address(self.host)
+            self.needed = False
+        except ValueError:
+            self.needed = bool(self.host)
+        self._lock = threading.Lock()
+        self._answered = threading.Event()
+        self._ok = False  # the last lookup that ended found the name
+        self._ended = -math.inf  # when it ended (monotonic)
+        self._since: float | None = None  # when the lookup under way began
+
+    def usable(self) -> bool:
+        """Whether a call to Redis may go ahead now; starts a lookup when one is due."""
+        if not self.needed:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            due = REMOTE_DNS_REFRESH_S if self._ok else REMOTE_BREAKER_OPEN_S
+            if self._since is None and now - self._ended >= due:
+                self._start(now)
+            stuck = self._since is not None and now - self._since > self.timeout
+            return self._ok and not stuck
+
+    def first(self) -> bool:
+        """At start-up: the first lookup's outcome, waited for --remote-timeout at most."""
+        self.usable()
+        return not self.needed or (self._answered.wait(self.timeout) and self.usable())
+
+    def _start(self, now: float) -> None:
+        self._since = now
+        threading.Thread(target=self._lookup, name="kvsvc-remote-dns", daemon=True).start()
+
+    def _lookup(self) -> None:
+        try:
+            failpoints.hit("remote.resolve")
+            socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure: the name is unusable now
+            _warn.warning("remote tier: cannot resolve %s (%s)", self.host, exc)
+            ok = False
+        with self._lock:
+            self._ok, self._ended, self._since = ok, time.monotonic(), None
+        self._answered.set()
+
+
 @dataclass
 class _Write:
     namespace: str
@@ -302,6 +369,7 @@ class RemoteTier:
         # Pinned chunks block eviction: at most a quarter of the store waits for Redis.
         self.queue_limit = min(config.remote_queue_bytes, store.capacity // 4)
         self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
+        self.resolver = Resolver(config.remote, config.remote_timeout)
         self.cluster = "+cluster" in config.remote.split("://", 1)[0]
         self.tls_ca, self.tls_cert, self.tls_key = (
             config.remote_tls_ca,
@@ -340,8 +408,11 @@ class RemoteTier:
     def start(self) -> None:
         """Check the credentials once: refused ones are a ConfigError (they will not
         heal by themselves); an unreachable Redis is only a warning (the breaker
-        and the misses handle it until it answers)."""
+        and the misses handle it until it answers), and so is a host name that does
+        not resolve within --remote-timeout (start-up never waits on DNS longer)."""
         try:
+            if not self.resolver.first():
+                raise _Unresolved(f"{self.resolver.host} does not resolve (yet)")
             self._redis().ping()
             self.breaker.success()
             log.info("remote tier: Redis at %s answers", self.where)
@@ -351,7 +422,7 @@ class RemoteTier:
                     f"--remote {self.where}: Redis refused the credentials "
                     f"(--remote-password-file, the URL's user name): {exc}"
                 ) from None
-            if _tls_failure(exc, ssl.SSLCertVerificationError):  # will not heal
+            if _caused_by(exc, ssl.SSLCertVerificationError):  # will not heal
                 raise ConfigError(
                     f"--remote {self.where}: Redis' TLS certificate did not verify "
                     f"(--remote-tls-ca, the host name in the URL): {exc.__context__ or exc}"
@@ -447,11 +518,21 @@ class RemoteTier:
                 self._aclient = aredis.Redis(connection_pool=pool)
         return self._aclient
 
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run one Redis exchange under the breaker; raise only _Skipped."""
+    def _refused(self) -> str | None:
+        """Why no call may go to Redis now (counted), or None."""
+        if not self.resolver.usable():
+            self._count(self.errors, DNS)
+            return DNS
         if self._closed or not self.breaker.allow():
             self._count(self.errors, BREAKER_OPEN)
-            raise _Skipped(BREAKER_OPEN)
+            return BREAKER_OPEN
+        return None
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run one Redis exchange under the breaker; raise only _Skipped."""
+        refused = self._refused()
+        if refused:
+            raise _Skipped(refused)
         try:
             result = fn(self._redis())
         except Exception as exc:  # a Redis failure is a miss, counted
@@ -548,8 +629,9 @@ class RemoteTier:
     def _submit(self, fn: Callable[[Any], Any]) -> asyncio.Future[Any] | None:
         """Run an exchange on a reader thread; None (busy, counted) when every reader
         is still waiting on Redis, so a stuck Redis never queues up requests."""
-        if self.breaker.blocked():  # no thread for a call that would be refused
-            self._count(self.errors, BREAKER_OPEN)
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():  # no thread for a call that is refused
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
             return None
         if self._fetching >= REMOTE_FETCHERS:
             self._count(self.errors, BUSY)
@@ -599,8 +681,9 @@ class RemoteTier:
         is a task bounded by --remote-timeout; past the budget the caller goes on
         and the task ends by itself (its outcome still feeds the breaker), so a
         cut-off read never leaves a connection mid-reply."""
-        if self.breaker.blocked():
-            self._count(self.errors, BREAKER_OPEN)
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():  # no task for a call that is refused
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
             return None
         if self._asking >= REMOTE_FETCHERS:
             self._count(self.errors, BUSY)
@@ -624,9 +707,9 @@ class RemoteTier:
     async def _acall(self, rkeys: list[bytes]) -> list[int]:
         """The asyncio twin of _call for EXISTS: the breaker, one deadline of
         --remote-timeout for connect, send and reply together; raises only _Skipped."""
-        if self._closed or not self.breaker.allow():
-            self._count(self.errors, BREAKER_OPEN)
-            raise _Skipped(BREAKER_OPEN)
+        refused = self._refused()
+        if refused:
+            raise _Skipped(refused)
         try:
             async with _deadline(self.timeout):
                 found = await self._exists(self._aredis(), rkeys)
@@ -781,6 +864,10 @@ class RemoteTier:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+
+class _Unresolved(socket.gaierror):
+    """--remote's host name has no answer from DNS (or none in time)."""
 
 
 class _Skipped(Exception):

@@ -20,12 +20,15 @@ import torch
 from certs import make_ca, make_cert
 from conftest import SERVING, ServerThread, health_status, make_cache
 from prometheus_client import generate_latest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis_servers import RedisCluster, RedisServer, free_port, require_redis
 
+from kvsvc import failpoints
 from kvsvc.client import KVCacheClient
 from kvsvc.config import ServerConfig
 from kvsvc.kvcache import SharedKVCache
-from kvsvc.remote import CLOSED, OPEN, RemoteTier, redis_key
+from kvsvc.remote import CLOSED, OPEN, RemoteTier, Resolver, redis_key
 
 pytestmark = pytest.mark.slow  # starts redis-server and kvsvc servers
 
@@ -420,6 +423,7 @@ def async_settings(st: ServerThread) -> list[tuple[int, float | None, float | No
 
     async def read() -> list[tuple[int, float | None, float | None]]:
         client = remote._aredis()
+        out: list[tuple[int, float | None, float | None]]
         if isinstance(client, aredis.RedisCluster):
             await client.initialize()
             out = [(client.retry.get_retries(), None, None)]
@@ -496,7 +500,7 @@ def test_tls_redis_round_trip_with_ca_and_client_certificate(node, pki, tmp_path
     try:
         assert r.url.startswith("rediss://")
         with pytest.raises(redis.ConnectionError):  # nothing answers in plaintext
-            redis.Redis(port=r.port, socket_timeout=2, retry=None).ping()
+            redis.Redis(port=r.port, socket_timeout=2, retry=Retry(NoBackoff(), 0)).ping()
         a, shm_a = node("a", r.url, **tls_files(pki))
         b, shm_b = node("b", r.url, **tls_files(pki))
         src = make_cache(shm_a, "src", seed=11)
@@ -585,3 +589,56 @@ def test_acl_user_name_in_the_url_password_from_the_file(node, tmp_path) -> None
         assert users <= {"kv-writer"}, users
     finally:
         r.kill()
+
+
+# --- host names: DNS that fails or never answers ------------------------------------
+def test_unresolvable_host_name_is_a_counted_miss(node) -> None:
+    a, _ = node("a", "redis://kvsvc-no-such-host.invalid:6379", remote_timeout=0.3)
+    with KVCacheClient(a.address) as ca:
+        ca.put("ns", [(b"k", b"v")])
+        assert ca.lookup([b"k", b"other"], namespace="ns", timeout=10) == 1
+        assert ca.get("ns", b"k") == b"v"
+        wait_for("write dropped", lambda: tier(a).dropped_writes == 1)
+    assert health_status(a.address) == SERVING
+    assert tier(a).errors.get("dns", 0) >= 1, tier(a).errors
+    text = generate_latest(a.server.servicer.metrics.registry).decode()
+    assert 'kvsvc_remote_errors_total{kind="dns"}' in text
+
+
+def test_dns_that_never_answers_bounds_start_up_and_every_call(node, redis_server) -> None:
+    # The lookup of "localhost" takes 30 s (a DNS server that does not answer):
+    # start-up, Lookup, Retrieve and Store all answer far sooner, from the local store.
+    failpoints.load("remote.resolve=sleep(30000)")
+    try:
+        t0 = time.monotonic()
+        a, shm_a = node("a", f"redis://localhost:{redis_server.port}", remote_timeout=0.3)
+        assert time.monotonic() - t0 < 20
+        src = make_cache(shm_a, "src", seed=12)
+        with KVCacheClient(a.address) as ca:
+            ma = ca.map("llama", [src.rank_region()])
+            for i in range(3):
+                t0 = time.monotonic()
+                assert ca.store(ma, [(b"s-%d" % i, [i])], timeout=15).stored_chunks == 1
+                assert ca.lookup([b"s-0", b"far-%d" % i], mapping=ma, timeout=15) == 1
+                r = ca.retrieve(ma, [(b"s-0", [5]), (b"far-%d" % i, [6])], timeout=15)
+                assert r.loaded_chunks == 1
+                assert time.monotonic() - t0 < 15
+            wait_for("writes dropped", lambda: tier(a).dropped_writes == 3)
+        assert tier(a).writes == 0 and tier(a).errors.get("dns", 0) >= 3, tier(a).errors
+        assert health_status(a.address) == SERVING
+        assert redis_server.cli("dbsize").strip() == "0"
+    finally:
+        failpoints.load("")
+
+
+def test_a_late_dns_answer_lets_calls_resume() -> None:
+    failpoints.load("remote.resolve=sleep(1000)")
+    try:
+        resolver = Resolver("redis://localhost:6379", timeout=0.2)
+        assert resolver.needed and not resolver.first()  # not within --remote-timeout
+        assert not resolver.usable()
+        wait_for("the late answer", resolver.usable)
+    finally:
+        failpoints.load("")
+    assert not Resolver("redis://127.0.0.1:6379", timeout=0.2).needed
+    assert not Resolver("rediss+cluster://[::1]:7000", timeout=0.2).needed
