@@ -12,9 +12,10 @@
    and the raw pipelined EXISTS; optionally the same served by another checkout
    (``--baseline-src DIR``, e.g. the thread-hop version) in the same rounds.
 
-Every round runs each target once, in an order rotated per round, so load swings
-on a shared host hit them alike; ratios are per round (tier / raw of that round),
-reported as the median and the spread (min-max). ``os.getloadavg()`` is printed
+Every round runs each target once, in an order rotated per round (Lookups: call
+by call, each target in turn), so load swings on a shared host hit them alike;
+ratios are per round (tier / raw of that round), reported as the median and the
+spread (min-max). ``os.getloadavg()`` is printed
 per round: read the figures with it.
 
     python -m benchmarks.redis_tier [--total-mib 256] [--rounds 5] [--lookups 2000]
@@ -186,6 +187,7 @@ def rotated(items: list, rnd: int) -> list:
 
 
 def lookups(c: KVCacheClient, mapping: object, keys: list[bytes], count: int) -> list[float]:
+    """Seconds per Lookup; negative where it answered less than all keys (the budget)."""
     lat = []
     for _ in range(count):
         t0 = time.perf_counter()
@@ -252,15 +254,20 @@ def lookup_rows(
             lookups(cl, m, keys, 50)  # warm: connections made, code paths run
         raw_exists(raw, keys, 50)
         per = max(1, count // rounds)
+        names = [*targets, raw_name]
         for rnd in range(rounds):
+            # Call by call, each target in turn: neighbouring samples share the load.
+            got: dict[str, list[float]] = {name: [] for name in names}
+            for i in range(per):
+                for name in rotated(names, i + rnd):
+                    if name == raw_name:
+                        got[name] += raw_exists(raw, keys, 1)
+                    else:
+                        got[name] += lookups(*targets[name], keys, 1)
             p50: dict[str, float] = {}
-            for name in rotated([*targets, raw_name], rnd):
-                if name == raw_name:
-                    got = raw_exists(raw, keys, per)
-                else:
-                    got = lookups(*targets[name], keys, per)
-                lat.setdefault(name, []).extend(got)
-                p50[name] = statistics.median(abs(x) for x in got)
+            for name in names:
+                lat.setdefault(name, []).extend(got[name])
+                p50[name] = statistics.median(abs(x) for x in got[name])
             p50["load"] = os.getloadavg()[0]
             per_round.append(p50)
         rows = [
