@@ -381,6 +381,7 @@ class RemoteTier:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._aclient: Any = None  # used on the loop only
+        self._idle: list[Any] = []  # its idle connections (standalone Redis)
         self._asking = 0  # asyncio exchanges in flight
         # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
         self._stats_lock = threading.Lock()
@@ -455,8 +456,11 @@ class RemoteTier:
         """close(), and the loop's connections (Lookup's), within --remote-timeout."""
         self.close()
         client, self._aclient = self._aclient, None
+        idle, self._idle = self._idle, []
         if client is not None:
             try:
+                for conn in idle:
+                    await conn.disconnect(nowait=True)
                 await asyncio.wait_for(client.aclose(), self.timeout)
             except Exception as exc:  # noqa: BLE001 - closing: the sockets go anyway
                 log.debug("remote tier: closing the asyncio client: %s", exc)
@@ -750,15 +754,24 @@ class RemoteTier:
             for k in rkeys:
                 pipe.exists(k)
             return list(await pipe.execute())
-        pool = r.connection_pool
-        conn = await pool.get_connection()
+        # Idle connections are kept here rather than in redis-py's pool, whose lock
+        # and readiness probe per checkout cost a tenth of the exchange; at most
+        # REMOTE_FETCHERS exchanges (so connections) at once.
+        conn = self._idle.pop() if self._idle else r.connection_pool.make_connection()
+        found: list[int] | None = None
         try:
+            if not conn.is_connected:
+                await conn.connect()
             await conn.send_packed_command(
                 conn.pack_commands([("EXISTS", k) for k in rkeys]), check_health=False
             )
-            return [await conn.read_response(timeout=math.inf) for _ in rkeys]
+            found = [await conn.read_response(timeout=math.inf) for _ in rkeys]
+            return found
         finally:
-            await pool.release(conn)
+            if found is not None:
+                self._idle.append(conn)
+            else:  # failed or cut off: never reused mid-reply
+                await conn.disconnect(nowait=True)
 
     async def fetch(self, namespace: str, layout: str, keys: list[bytes], budget: float) -> int:
         """Bring ``keys`` missing from the local store, verified, from Redis into it up
