@@ -696,7 +696,8 @@ class RemoteTier:
         self._asking += 1
         task = self.loop.create_task(self._acall(rkeys))
         # A bare future woken by the task or the budget's timer: what wait_for does,
-        # without its extra task and cancellation (a third of the exchange's cost).
+        # without shield's and timeout's extra futures and cancellation (about 20 µs
+        # of a 0.3 ms exchange on the benchmark host).
         woken = self.loop.create_future()
 
         def wake(_: object = None) -> None:
