@@ -1,9 +1,10 @@
 """The remote tier (--remote) against raw redis-py, in the same run on the same Redis:
 
 1. Store-to-Redis: node A (`kvsvc serve --remote`) stores block chunks from a shm
-   region; timed from the Store call to the last byte acknowledged by Redis
-   (kvsvc_remote_written_bytes_total on A's metrics port). Reference: one raw
-   redis-py pipeline SET of the same bytes (values of the same size, hiredis).
+   region; timed from the Store call until Redis holds every chunk (DBSIZE;
+   then kvsvc_remote_written_bytes_total on A's metrics port checks that all
+   were written). Reference: one raw redis-py pipeline SET of the same bytes
+   (values of the same size, hiredis).
 2. Retrieve-from-Redis: node B (empty store) retrieves them into its own blocks:
    fetch, verify, copy into the store and into the blocks. Reference: one raw
    pipeline GET of the same values.
@@ -144,12 +145,22 @@ def tier_round(
             t0 = time.perf_counter()
             ca.store(ma, chunks, timeout=120)
             t_reply = time.perf_counter() - t0
-            while metric(port, "kvsvc_remote_written_bytes_total") < want:
+            # Polled with DBSIZE (O(1) in Redis; one key per chunk: no value is split
+            # here) rather than node A's /metrics, whose rendering every 10 ms took
+            # CPU and the GIL from A's writers.
+            probe = redis.Redis(port=rs.port, socket_timeout=60)
+            while probe.dbsize() < n:
                 if time.perf_counter() - t0 > 120:
                     raise RuntimeError("writes did not reach Redis in 120 s (dropped?)")
-                time.sleep(0.01)  # polling costs CPU the writers need
+                time.sleep(0.01)
             t_store = time.perf_counter() - t0
+            probe.close()
             behind.append(t_store - t_reply)
+            end = time.perf_counter() + 30  # A counts a batch once Redis answered it
+            while (written := metric(port, "kvsvc_remote_written_bytes_total")) != want:
+                if time.perf_counter() > end:
+                    raise RuntimeError(f"node A wrote {written:.0f} bytes, not {want:.0f}")
+                time.sleep(0.05)
             t0 = time.perf_counter()
             loaded = cb.retrieve(mb, chunks, timeout=120).loaded_chunks
             t_retrieve = time.perf_counter() - t0
