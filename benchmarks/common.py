@@ -35,6 +35,7 @@ class KvsvcServer:
         env: dict[str, str] | None = None,
         extra_args: Sequence[str] = (),
         start_timeout: float = 120.0,
+        cwd: str | None = None,
     ) -> None:
         log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             "w+", prefix="kvsvc-bench-", suffix=".log", delete=False
@@ -47,7 +48,10 @@ class KvsvcServer:
         cmd = [sys.executable, "-m", "kvsvc", "serve", "--listen", listen,
                "--transfer-threads", str(threads), "--store-bytes", str(store_bytes),
                "--shm-dir", shm_dir, *extra_args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        # ``cwd``: another checkout's kvsvc (python -m imports from the cwd first).
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
+        )
         self.pid = self.proc.pid
         address = wait_for_address(self.proc, self.log_path, SERVING_RE, start_timeout)
         if address is None:

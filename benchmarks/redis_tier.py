@@ -1,23 +1,33 @@
 """The remote tier (--remote) against raw redis-py, in the same run on the same Redis:
 
 1. Store-to-Redis: node A (`kvsvc serve --remote`) stores block chunks from a shm
-   region; timed from the Store call to the last byte acknowledged by Redis
-   (kvsvc_remote_written_bytes_total on A's metrics port). Reference: one raw
-   redis-py pipeline SET of the same bytes (values of the same size, hiredis).
+   region; timed from the Store call until Redis holds every chunk (DBSIZE;
+   then kvsvc_remote_written_bytes_total on A's metrics port checks that all
+   were written). Reference: one raw redis-py pipeline SET of the same bytes
+   (values of the same size, hiredis).
 2. Retrieve-from-Redis: node B (empty store) retrieves them into its own blocks:
    fetch, verify, copy into the store and into the blocks. Reference: one raw
    pipeline GET of the same values.
 3. Lookup p50/p99 of 16 keys: remote tier off (node C), on with the keys in
-   Redis only (one EXISTS round trip), on with the keys local (no Redis call).
+   Redis only (one EXISTS round trip), on with the keys local (no Redis call),
+   and the raw pipelined EXISTS; optionally the same served by another checkout
+   (``--baseline-src DIR``, e.g. the thread-hop version) in the same rounds.
 
-    python -m benchmarks.redis_tier [--total-mib 256] [--rounds 3] [--lookups 2000]
+Every round runs each target once, in an order rotated per round (Lookups: call
+by call, each target in turn), so load swings on a shared host hit them alike;
+ratios are per round (tier / raw of that round), reported as the median and the
+spread (min-max). ``os.getloadavg()`` is printed
+per round: read the figures with it.
 
-Needs redis-server (scripts/install_redis.sh). Prints a markdown table.
+    python -m benchmarks.redis_tier [--total-mib 256] [--rounds 5] [--lookups 2000]
+
+Needs redis-server (scripts/install_redis.sh). Prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -53,13 +63,13 @@ def cache(shm: str, name: str, blocks: int) -> SharedKVCache:
                          head_dim=128, shm_dir=shm)  # fmt: skip
 
 
-def node(shm: str, remote: str, metrics: int = 0) -> KvsvcServer:
+def node(shm: str, remote: str, metrics: int = 0, cwd: str | None = None) -> KvsvcServer:
     # --remote-timeout 5: on this shared 2-core host a process can stall past the
     # default 0.5 s under other jobs' load, and a miss would end the throughput run.
     args = ["--remote", remote, "--remote-timeout", "5"]
     if metrics:
         args += ["--metrics-port", str(metrics)]
-    return KvsvcServer(store_bytes="1G", shm_dir=shm, extra_args=args)
+    return KvsvcServer(store_bytes="1G", shm_dir=shm, extra_args=args, cwd=cwd)
 
 
 def raw_round(r: redis.Redis, data: bytes, n: int, tag: str) -> tuple[float, float]:
@@ -135,12 +145,22 @@ def tier_round(
             t0 = time.perf_counter()
             ca.store(ma, chunks, timeout=120)
             t_reply = time.perf_counter() - t0
-            while metric(port, "kvsvc_remote_written_bytes_total") < want:
+            # Polled with DBSIZE (O(1) in Redis; one key per chunk: no value is split
+            # here) rather than node A's /metrics, whose rendering every 10 ms took
+            # CPU and the GIL from A's writers.
+            probe = redis.Redis(port=rs.port, socket_timeout=60)
+            while probe.dbsize() < n:
                 if time.perf_counter() - t0 > 120:
                     raise RuntimeError("writes did not reach Redis in 120 s (dropped?)")
-                time.sleep(0.01)  # polling costs CPU the writers need
+                time.sleep(0.01)
             t_store = time.perf_counter() - t0
+            probe.close()
             behind.append(t_store - t_reply)
+            end = time.perf_counter() + 30  # A counts a batch once Redis answered it
+            while (written := metric(port, "kvsvc_remote_written_bytes_total")) != want:
+                if time.perf_counter() > end:
+                    raise RuntimeError(f"node A wrote {written:.0f} bytes, not {want:.0f}")
+                time.sleep(0.05)
             t0 = time.perf_counter()
             loaded = cb.retrieve(mb, chunks, timeout=120).loaded_chunks
             t_retrieve = time.perf_counter() - t0
@@ -160,74 +180,155 @@ def tier_round(
     return t_store, t_retrieve
 
 
-def lookups(
-    address: str, mapping: object, keys: list[bytes], count: int
-) -> tuple[list[float], int]:
-    lat, hits = [], 0
-    with KVCacheClient(address) as c:
-        for _ in range(count):
-            t0 = time.perf_counter()
-            hits += c.lookup(keys, mapping=mapping)  # type: ignore[arg-type]
-            lat.append(time.perf_counter() - t0)
-    return lat, hits
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def lookup_rows(rs: RedisServer, shm: str, count: int) -> list[list[str]]:
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """median (min-max) of per-round values."""
+    return (
+        f"{fmt.format(statistics.median(values))} "
+        f"({fmt.format(min(values))}-{fmt.format(max(values))})"
+    )
+
+
+def rotated(items: list, rnd: int) -> list:
+    k = rnd % len(items)
+    return items[k:] + items[:k]
+
+
+def lookups(c: KVCacheClient, mapping: object, keys: list[bytes], count: int) -> list[float]:
+    """Seconds per Lookup; negative where it answered less than all keys (the budget)."""
+    lat = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        hits = c.lookup(keys, mapping=mapping)  # type: ignore[arg-type]
+        lat.append(time.perf_counter() - t0)
+        if hits != len(keys):  # past the budget: answered from the local tier only
+            lat[-1] = -lat[-1]
+    return lat
+
+
+def raw_exists(raw: redis.Redis, keys: list[bytes], count: int) -> list[float]:
+    """The reference for "one Redis round trip": the same pipelined EXISTS, raw."""
+    lat = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        pipe = raw.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(b"bench:" + k)
+        pipe.execute()
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def lookup_rows(
+    rs: RedisServer, shm: str, count: int, rounds: int, baseline: str
+) -> tuple[list[list[str]], list[list[str]]]:
+    """(per-case p50/p99 over all rounds, per-round extra cost of Redis vs raw EXISTS)."""
     keys = [b"lk-%d" % i for i in range(16)]
-    a, b = node(shm, rs.url), node(shm, rs.url)
-    c = node(shm, "off")
-    caches = [cache(shm, f"lk{i}", 16) for i in range(3)]
-    rows = []
+    a, b, c = node(shm, rs.url), node(shm, rs.url), node(shm, "off")
+    d = node(shm, rs.url, cwd=baseline) if baseline else None  # keys in Redis only
+    e = node(shm, rs.url)  # keys local
+    caches = [cache(shm, f"lk{i}", 16) for i in range(5)]
+    off, on_local, on_redis = (
+        "remote tier off, keys local",
+        "remote tier on, keys local",
+        "remote tier on, keys in Redis only (EXISTS)",
+    )
+    base_redis = f"baseline ({baseline}), keys in Redis only"
+    raw_name = "raw redis-py pipelined EXISTS of 16 keys (one round trip)"
+    lat: dict[str, list[float]] = {}
+    per_round: list[dict[str, float]] = []
+    raw = redis.Redis(port=rs.port, socket_timeout=60)
+    clients: list[KVCacheClient] = []
     try:
         with KVCacheClient(a.address) as ca:
             ma = ca.map("bench", [caches[0].rank_region()])
             ca.store(ma, [(k, [i]) for i, k in enumerate(keys)])
             time.sleep(1.0)  # the write-behind reaches Redis
-        with KVCacheClient(b.address) as cb, KVCacheClient(c.address) as cc:
-            mb = cb.map("bench", [caches[1].rank_region()])
-            mc = cc.map("bench", [caches[2].rank_region()])
-            cc.store(mc, [(k, [i]) for i, k in enumerate(keys)])
-            cases = [("remote tier off, keys local", c.address, mc)]
-            cases.append(("remote tier on, keys in Redis only (EXISTS)", b.address, mb))
-            for name, address, m in cases:
-                lat, hits = lookups(address, m, keys, count)
-                rows.append([name, f"{1e3 * pct(lat, 50):.3f}", f"{1e3 * pct(lat, 99):.3f}",
-                             f"{hits / count:.1f} of 16"])  # fmt: skip
-            cb.retrieve(mb, [(k, [i]) for i, k in enumerate(keys)])
-            lat, hits = lookups(b.address, mb, keys, count)
-            rows.insert(1, ["remote tier on, keys local", f"{1e3 * pct(lat, 50):.3f}",
-                            f"{1e3 * pct(lat, 99):.3f}", f"{hits / count:.1f} of 16"])  # fmt: skip
-        # The reference for "one Redis round trip": the same pipelined EXISTS, raw.
-        raw = redis.Redis(port=rs.port, socket_timeout=60)
-        lat = []
-        for _ in range(count):
-            t0 = time.perf_counter()
-            pipe = raw.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(b"bench:" + k)
-            pipe.execute()
-            lat.append(time.perf_counter() - t0)
-        raw.close()
-        rows.append(["raw redis-py pipelined EXISTS of 16 keys (one round trip)",
-                     f"{1e3 * pct(lat, 50):.3f}", f"{1e3 * pct(lat, 99):.3f}", "-"])  # fmt: skip
+        targets: dict[str, tuple[KVCacheClient, object]] = {}
+        for name, srv, cch, store_locally in (
+            (off, c, caches[2], True),
+            (on_redis, b, caches[1], False),
+            (on_local, e, caches[3], "retrieve"),
+            *([(base_redis, d, caches[4], False)] if d is not None else []),
+        ):
+            cl = KVCacheClient(srv.address)
+            clients.append(cl)
+            m = cl.map("bench", [cch.rank_region()])
+            if store_locally == "retrieve":  # from Redis into the local store
+                cl.retrieve(m, [(k, [i]) for i, k in enumerate(keys)])
+            elif store_locally:
+                cl.store(m, [(k, [i]) for i, k in enumerate(keys)])
+            targets[name] = (cl, m)
+            lookups(cl, m, keys, 50)  # warm: connections made, code paths run
+        raw_exists(raw, keys, 50)
+        per = max(1, count // rounds)
+        names = [*targets, raw_name]
+        for rnd in range(rounds):
+            # Call by call, each target in turn: neighbouring samples share the load.
+            got: dict[str, list[float]] = {name: [] for name in names}
+            for i in range(per):
+                for name in rotated(names, i + rnd):
+                    if name == raw_name:
+                        got[name] += raw_exists(raw, keys, 1)
+                    else:
+                        got[name] += lookups(*targets[name], keys, 1)
+            p50: dict[str, float] = {}
+            for name in names:
+                lat.setdefault(name, []).extend(got[name])
+                p50[name] = statistics.median(abs(x) for x in got[name])
+            p50["load"] = os.getloadavg()[0]
+            per_round.append(p50)
+        rows = [
+            [
+                name,
+                f"{1e3 * pct([abs(x) for x in v], 50):.3f}",
+                f"{1e3 * pct([abs(x) for x in v], 99):.3f}",
+                f"{sum(x > 0 for x in v)} of {len(v)}" if name != raw_name else "-",
+            ]
+            for name, v in lat.items()
+        ]
+        cost = [
+            [
+                str(i + 1),
+                f"{r['load']:.1f}",
+                f"{1e3 * (r[on_redis] - r[off]):.3f}",
+                *([f"{1e3 * (r[base_redis] - r[off]):.3f}"] if d is not None else []),
+                f"{1e3 * r[raw_name]:.3f}",
+                f"{(r[on_redis] - r[off]) / r[raw_name]:.2f}",
+            ]
+            for i, r in enumerate(per_round)
+        ]
+        ratios = [(r[on_redis] - r[off]) / r[raw_name] for r in per_round]
+        cost.append(["median (min-max)", "", "", *([""] if d is not None else []), "",
+                     spread(ratios)])  # fmt: skip
+        return rows, cost
     finally:
+        for cl in clients:
+            cl.close()
+        raw.close()
         for x in caches:
             x.close()
-        for s in (a, b, c):
-            s.stop()
-    return rows
+        for s in (a, b, c, d, e):
+            if s is not None:
+                s.stop()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--total-mib", type=int, default=256, help="bytes per round and chunk size")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--lookups", type=int, default=2000, help="Lookups per case, all rounds")
     p.add_argument("--lookups-only", action="store_true", help="skip the throughput rounds")
+    p.add_argument("--baseline-src", default="", help="another checkout: its Lookup too")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvsvc-redis-bench-"))
     shm = tempfile.mkdtemp(prefix="kvsvc-redis-bench-", dir="/dev/shm")
     rs = RedisServer(work / "redis")
+    print(machine_line(machine_info()))
+    print(f"\nstart {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {load()}")
     try:
         raw = redis.Redis(port=rs.port, socket_timeout=60)
         rows: list[list[str]] = []
@@ -235,63 +336,60 @@ def main() -> int:
         for chunk_mib in () if args.lookups_only else (2, 32):
             n = args.total_mib // chunk_mib
             data = bytes(chunk_mib * MiB)
-            res: dict[str, list[float]] = {
-                "raw set": [],
-                "raw get": [],
-                "store": [],
-                "retrieve": [],
-                "behind": [],
-                "async set": [],
-                "async get": [],
-            }
-            for rnd in range(args.rounds):  # alternating: raw, tier, raw, tier...
-                s, g = raw_round(raw, data, n, f"{chunk_mib}-{rnd}")
-                res["raw set"].append(s)
-                res["raw get"].append(g)
-                s, g = raw_round_async(rs.port, data, n, f"{chunk_mib}-{rnd}")
-                res["async set"].append(s)
-                res["async get"].append(g)
-                s, g = tier_round(rs, shm, chunk_mib, n, f"c{chunk_mib}r{rnd}", res["behind"])
-                res["store"].append(s)
-                res["retrieve"].append(g)
-                rs.cli("flushall")
-            gbs = {k: n * chunk_mib * MiB / statistics.median(v) / 1e9 for k, v in res.items()}
-            client_rows.append(
-                [
-                    f"{chunk_mib} MiB x {n}",
-                    f"{gbs['raw set']:.2f}",
-                    f"{gbs['async set']:.2f}",
-                    f"{gbs['raw get']:.2f}",
-                    f"{gbs['async get']:.2f}",
-                ]
-            )
-            rows.append(
-                [
-                    f"{chunk_mib} MiB x {n}",
-                    f"{gbs['store']:.2f}",
-                    f"{gbs['raw set']:.2f}",
-                    f"{gbs['store'] / gbs['raw set']:.2f}",
-                    f"{gbs['behind']:.2f}",
-                    f"{gbs['retrieve']:.2f}",
-                    f"{gbs['raw get']:.2f}",
-                    f"{gbs['retrieve'] / gbs['raw get']:.2f}",
-                ]
-            )
-        print(machine_line(machine_info()))
-        print(f"\nThroughput, GB/s (median of {args.rounds} alternating rounds):\n")
-        print(md_table(["chunks", "Store→Redis", "raw pipelined SET", "ratio", "after the reply",
-                        "Retrieve←Redis", "raw pipelined GET", "ratio"], rows))  # fmt: skip
-        print("\nThe client for the tier: redis-py pipelines, sync vs asyncio, GB/s:\n")
-        print(
-            md_table(["chunks", "sync SET", "asyncio SET", "sync GET", "asyncio GET"], client_rows)
-        )
-        print(f"\nLookup of 16 keys, {args.lookups} sequential calls, ms:\n")
-        print(md_table(["case", "p50", "p99", "hits"], lookup_rows(rs, shm, args.lookups)))
+            res: dict[str, list[float]] = {}
+            loads = []
+
+            for rnd in range(args.rounds):  # each target once per round, order rotated
+                for target in rotated(["raw", "tier", "async"], rnd):
+                    tag = f"{chunk_mib}-{rnd}"
+                    if target == "raw":
+                        s, g = raw_round(raw, data, n, tag)
+                    elif target == "async":
+                        s, g = raw_round_async(rs.port, data, n, tag)
+                    else:
+                        behind: list[float] = []
+                        s, g = tier_round(rs, shm, chunk_mib, n, f"c{chunk_mib}r{rnd}", behind)
+                        res.setdefault("tier behind", []).append(behind[0])
+                    res.setdefault(f"{target} set", []).append(s)
+                    res.setdefault(f"{target} get", []).append(g)
+                    rs.cli("flushall")
+                loads.append(os.getloadavg()[0])
+            nbytes = n * chunk_mib * MiB
+            gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in res.items()}
+            # tier time / raw time of the same round: raw/tier throughput
+            set_ratio = [r / t for r, t in zip(res["raw set"], res["tier set"], strict=True)]
+            get_ratio = [r / t for r, t in zip(res["raw get"], res["tier get"], strict=True)]
+            client_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['raw set']:.2f}",
+                                f"{gbs['async set']:.2f}", f"{gbs['raw get']:.2f}",
+                                f"{gbs['async get']:.2f}"])  # fmt: skip
+            rows.append([f"{chunk_mib} MiB x {n}", spread(loads, "{:.1f}"),
+                         f"{gbs['tier set']:.2f}", f"{gbs['raw set']:.2f}", spread(set_ratio),
+                         f"{gbs['tier behind']:.2f}", f"{gbs['tier get']:.2f}",
+                         f"{gbs['raw get']:.2f}", spread(get_ratio)])  # fmt: skip
+        if rows:
+            print(f"\nThroughput, GB/s (median of {args.rounds} rounds, "
+                  f"{args.total_mib} MiB each); ratio: per round, median (min-max):\n")  # fmt: skip
+            print(md_table(["chunks", "load1", "Store→Redis", "raw pipelined SET", "ratio",
+                            "after the reply", "Retrieve←Redis", "raw pipelined GET", "ratio"],
+                           rows))  # fmt: skip
+            print("\nThe client for the tier: redis-py pipelines, sync vs asyncio, GB/s:\n")
+            print(md_table(["chunks", "sync SET", "asyncio SET", "sync GET", "asyncio GET"],
+                           client_rows))  # fmt: skip
+        lk, cost = lookup_rows(rs, shm, args.lookups, args.rounds, args.baseline_src)
+        print(f"\nLookup of 16 keys, {args.lookups} sequential calls per case in "
+              f"{args.rounds} rounds, ms (hits: calls answered with all 16):\n")  # fmt: skip
+        print(md_table(["case", "p50", "p99", "full answers"], lk))
+        print("\nPer round: p50 of Lookup with the keys in Redis only minus p50 with the "
+              "tier off, against the raw EXISTS p50 (goal: ratio ≤ 1), ms:\n")  # fmt: skip
+        base = ["baseline - off"] if args.baseline_src else []
+        print(md_table(["round", "load1", "on (Redis) - off", *base, "raw EXISTS",
+                        "ratio"], cost))  # fmt: skip
         raw.close()
     finally:
         rs.kill()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+    print(f"\nend {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {load()}")
     return 0
 
 

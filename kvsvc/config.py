@@ -128,6 +128,9 @@ REMOTE_FETCHERS = 4
 REMOTE_WRITERS = 2
 # A writer sends up to this many bytes of queued chunks in one pipeline.
 REMOTE_WRITE_BATCH_BYTES = 64 * MiB
+# --remote's host name is looked up again this often (a failed lookup: after
+# REMOTE_BREAKER_OPEN_S); Redis is called only while the last answer was good.
+REMOTE_DNS_REFRESH_S = 30.0
 
 # --- client deadlines ---
 DEFAULT_TRANSFER_DEADLINE_S = 30.0
@@ -273,6 +276,24 @@ def remote_password(config: ServerConfig) -> str | None:
         ) from None
 
 
+def check_remote_tls(config: ServerConfig) -> None:
+    """TLS files for Redis: only with rediss://, cert and key together, readable."""
+    files = (
+        ("--remote-tls-ca", config.remote_tls_ca),
+        ("--remote-tls-cert", config.remote_tls_cert),
+        ("--remote-tls-key", config.remote_tls_key),
+    )
+    if config.remote == "off" or not any(path for _, path in files):
+        return
+    if not config.remote.startswith("rediss"):
+        raise ConfigError("--remote-tls-* need a rediss:// (or rediss+cluster://) --remote")
+    if bool(config.remote_tls_cert) != bool(config.remote_tls_key):
+        raise ConfigError("--remote-tls-cert and --remote-tls-key go together")
+    for flag, path in files:
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{flag} {path}: not a readable file")
+
+
 def _port(text: str) -> int:
     """0 (pick a free port / off) or 1-65535; grpc would wrap 99999 to 34463."""
     try:
@@ -352,6 +373,9 @@ class ServerConfig:
     remote_queue_bytes: int = 256 * MiB
     remote_ttl: int = 0
     remote_value_bytes: int = 64 * MiB
+    remote_tls_ca: str = ""
+    remote_tls_cert: str = ""
+    remote_tls_key: str = ""
     shm_uids: str = "self"
     auth_token_file: str = ""
     tls_cert: str = ""
@@ -401,6 +425,11 @@ _HELP = {
     "(at most a quarter of the store); beyond, writes are dropped and counted",
     "remote_ttl": "seconds Redis keeps a value (0 = no expiry)",
     "remote_value_bytes": "largest Redis value; larger chunks are split into parts",
+    "remote_tls_ca": "PEM CA bundle that signed Redis' certificate (rediss://; default: "
+    "the system's CAs)",
+    "remote_tls_cert": "PEM client certificate for Redis (rediss://, with --remote-tls-key; "
+    "Redis asks for one unless tls-auth-clients is no)",
+    "remote_tls_key": "PEM private key of --remote-tls-cert",
     "shm_uids": "whose files under the shm dir the server maps by name, with its own "
     "rights: comma-separated uids or user names ('self' = the server's uid), or 'off' "
     "(memfd passing only, where the client hands over an fd it opened itself). Every "
@@ -437,6 +466,9 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "remote_queue_bytes": _parse_size,
     "remote_ttl": _non_negative_int,
     "remote_value_bytes": _value_size,
+    "remote_tls_ca": _optional_path,
+    "remote_tls_cert": _optional_path,
+    "remote_tls_key": _optional_path,
     "shm_uids": lambda text: (shm_owner_uids(text), text.strip())[1],
     "allow_insecure": _env_bool,
     "health_listen": lambda text: "" if _off(text) else _listen_address(text),
@@ -578,6 +610,7 @@ def check_host(config: ServerConfig) -> None:
             raise ConfigError(f"--socket-dir {d}: {parent} is not a writable directory")
     if config.remote_password_file and config.remote != "off":
         remote_password(config)  # readable, or a ConfigError naming the flag
+    check_remote_tls(config)
     if config.fd_socket not in ("auto", "off"):
         parent = os.path.dirname(os.path.abspath(config.fd_socket))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):

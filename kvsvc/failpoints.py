@@ -31,6 +31,8 @@ POINTS: dict[str, str] = {
     "transfer.after_copy": "transfer worker, after the copy, before the reply",
     "store.put": "chunk store, before a chunk is reserved (event loop)",
     "map.rank": "Map, before each rank is opened (tag: the rank index)",
+    "remote.resolve": "remote tier, its DNS lookup of --remote's host name (its own thread; "
+    "sleep and hang: a DNS server that answers late or never)",
 }
 
 TAGGED = frozenset({"handler.enter", "loop.stall", "map.rank"})

@@ -219,7 +219,7 @@ class Server:
         if self.servicer.fds is not None:
             self.servicer.fds.close()
         if self.servicer.remote is not None:
-            self.servicer.remote.close()  # queued writes are dropped, counted
+            await self.servicer.remote.aclose()  # queued writes are dropped, counted
 
 
 def _bound(listen: str, port: int) -> str:

@@ -8,6 +8,10 @@ or Redis Cluster), behind the local store and best-effort by design.
   (EXISTS for Lookup within its budget, GET for Retrieve within the call's
   deadline); verified values are copied into the local store like a Store would
   reserve and commit them, so the copy into the engine's blocks is the usual one.
+- Lookup's EXISTS runs on the server's event loop (redis.asyncio): a hop to a
+  thread and back cost more than the round trip itself. GETs and SETs of large
+  values stay on threads (sync redis-py was faster for them, and parsing
+  megabytes on the loop would stall every other call); docs/benchmarks.md §7.
 - Redis is never part of the contract: every call has socket timeouts and no
   retries, a circuit breaker stops calling a Redis that keeps failing and lets
   one probe through after a pause, and a failure is a miss and a counter —
@@ -24,24 +28,34 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
+import math
 import queue
+import socket
+import ssl
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
+import redis.asyncio as aredis
 import redis.exceptions as rx
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from kvsvc import failpoints
 from kvsvc.config import (
     REMOTE_BREAKER_FAILURES,
     REMOTE_BREAKER_OPEN_S,
+    REMOTE_DNS_REFRESH_S,
     REMOTE_FETCHERS,
     REMOTE_WRITE_BATCH_BYTES,
     REMOTE_WRITERS,
@@ -54,6 +68,11 @@ from kvsvc.copies import checksum, segments
 from kvsvc.errors import CapacityExhausted, _BoundedLog
 from kvsvc.store import Chunk, ChunkStore
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # redis-py depends on async-timeout below 3.11.3
+    from async_timeout import timeout as _deadline
+
 log = logging.getLogger("kvsvc.remote")
 _warn = _BoundedLog(log, 10.0)
 
@@ -64,10 +83,12 @@ FORMAT_VERSION = 2
 _HEAD = struct.Struct("<3sBHHQQI")
 
 # Error kinds (the label of kvsvc_remote_errors).
-TIMEOUT, CONNECTION, AUTH, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
+TIMEOUT, CONNECTION, AUTH, TLS, DNS, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
     "timeout",
     "connection",
     "auth",
+    "tls",
+    "dns",
     "response",
     "breaker_open",
     "busy",
@@ -86,7 +107,11 @@ CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 def error_kind(exc: BaseException) -> str:
     if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError | rx.NoPermissionError):
         return AUTH
-    if isinstance(exc, rx.TimeoutError | TimeoutError):
+    if _caused_by(exc, ssl.SSLError):
+        return TLS
+    if _caused_by(exc, socket.gaierror):
+        return DNS
+    if isinstance(exc, rx.TimeoutError | TimeoutError | asyncio.TimeoutError):
         return TIMEOUT
     if isinstance(exc, rx.ConnectionError | rx.ClusterError | rx.RedisClusterException | OSError):
         return CONNECTION
@@ -96,16 +121,30 @@ def error_kind(exc: BaseException) -> str:
     return OTHER
 
 
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is or comes from a ``kind`` (redis-py raises its own
+    ConnectionError while handling ssl's or the resolver's error)."""
+    seen: BaseException | None = exc
+    for _ in range(5):  # a short chain; no cycles followed forever
+        if seen is None:
+            return False
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 # --- values ---
 def redis_key(prefix: str, namespace: str, layout: str, key: bytes) -> bytes:
     """Namespaced, binary-safe, and without '{': no accidental Redis Cluster hash tag
     pins every key to one shard (hex spreads them over all)."""
-    return b"%s:%s:%s:%s" % (
-        prefix.encode(),
-        namespace.encode().hex().encode(),
-        layout.encode(),
-        key.hex().encode(),
-    )
+    return redis_keys(prefix, namespace, layout, [key])[0]
+
+
+def redis_keys(prefix: str, namespace: str, layout: str, keys: Sequence[bytes]) -> list[bytes]:
+    """redis_key of each of ``keys`` (the common part made once: Lookup's path)."""
+    head = b"%s:%s:%s:" % (prefix.encode(), namespace.encode().hex().encode(), layout.encode())
+    return [head + key.hex().encode() for key in keys]
 
 
 def encode(
@@ -246,6 +285,65 @@ class Breaker:
                 self._opened = time.monotonic()
 
 
+class Resolver:
+    """Looks --remote's host name up on its own thread, one lookup at a time, so a
+    DNS server that never answers blocks that thread only, never a caller or a
+    reader/writer thread. Redis is called only while the last lookup answered and
+    none has been waiting longer than --remote-timeout (redis-py then looks the
+    name up again as it connects, and the system's cache answers it; a DNS that
+    stops answering between the two lookups is not covered). IP addresses need
+    no lookup."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or ""
+        self.port = parts.port or 6379
+        self.timeout = timeout
+        try:
+            ipaddress.ip_address(self.host)
+            self.needed = False
+        except ValueError:
+            self.needed = bool(self.host)
+        self._lock = threading.Lock()
+        self._answered = threading.Event()
+        self._ok = False  # the last lookup that ended found the name
+        self._ended = -math.inf  # when it ended (monotonic)
+        self._since: float | None = None  # when the lookup under way began
+
+    def usable(self) -> bool:
+        """Whether a call to Redis may go ahead now; starts a lookup when one is due."""
+        if not self.needed:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            due = REMOTE_DNS_REFRESH_S if self._ok else REMOTE_BREAKER_OPEN_S
+            if self._since is None and now - self._ended >= due:
+                self._start(now)
+            stuck = self._since is not None and now - self._since > self.timeout
+            return self._ok and not stuck
+
+    def first(self) -> bool:
+        """At start-up: the first lookup's outcome, waited for --remote-timeout at most."""
+        self.usable()
+        return not self.needed or (self._answered.wait(self.timeout) and self.usable())
+
+    def _start(self, now: float) -> None:
+        self._since = now
+        threading.Thread(target=self._lookup, name="kvsvc-remote-dns", daemon=True).start()
+
+    def _lookup(self) -> None:
+        try:
+            failpoints.hit("remote.resolve")
+            socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure: the name is unusable now
+            _warn.warning("remote tier: cannot resolve %s (%s)", self.host, exc)
+            ok = False
+        with self._lock:
+            self._ok, self._ended, self._since = ok, time.monotonic(), None
+        self._answered.set()
+
+
 @dataclass
 class _Write:
     namespace: str
@@ -272,10 +370,19 @@ class RemoteTier:
         # Pinned chunks block eviction: at most a quarter of the store waits for Redis.
         self.queue_limit = min(config.remote_queue_bytes, store.capacity // 4)
         self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
+        self.resolver = Resolver(config.remote, config.remote_timeout)
         self.cluster = "+cluster" in config.remote.split("://", 1)[0]
+        self.tls_ca, self.tls_cert, self.tls_key = (
+            config.remote_tls_ca,
+            config.remote_tls_cert,
+            config.remote_tls_key,
+        )
         self._password = remote_password(config)
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._aclient: Any = None  # used on the loop only
+        self._idle: list[Any] = []  # its idle connections (standalone Redis)
+        self._asking = 0  # asyncio exchanges in flight
         # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
         self._stats_lock = threading.Lock()
         self.hits = 0
@@ -303,8 +410,11 @@ class RemoteTier:
     def start(self) -> None:
         """Check the credentials once: refused ones are a ConfigError (they will not
         heal by themselves); an unreachable Redis is only a warning (the breaker
-        and the misses handle it until it answers)."""
+        and the misses handle it until it answers), and so is a host name that does
+        not resolve within --remote-timeout (start-up never waits on DNS longer)."""
         try:
+            if not self.resolver.first():
+                raise _Unresolved(f"{self.resolver.host} does not resolve (yet)")
             self._redis().ping()
             self.breaker.success()
             log.info("remote tier: Redis at %s answers", self.where)
@@ -313,6 +423,11 @@ class RemoteTier:
                 raise ConfigError(
                     f"--remote {self.where}: Redis refused the credentials "
                     f"(--remote-password-file, the URL's user name): {exc}"
+                ) from None
+            if _caused_by(exc, ssl.SSLCertVerificationError):  # will not heal
+                raise ConfigError(
+                    f"--remote {self.where}: Redis' TLS certificate did not verify "
+                    f"(--remote-tls-ca, the host name in the URL): {exc.__context__ or exc}"
                 ) from None
             log.warning(
                 "remote tier: Redis at %s does not answer at start-up (%s: %s); serving "
@@ -337,6 +452,19 @@ class RemoteTier:
             if self._client is not None:
                 self._client.close()
 
+    async def aclose(self) -> None:
+        """close(), and the loop's connections (Lookup's), within --remote-timeout."""
+        self.close()
+        client, self._aclient = self._aclient, None
+        idle, self._idle = self._idle, []
+        if client is not None:
+            try:
+                for conn in idle:
+                    await conn.disconnect(nowait=True)
+                await asyncio.wait_for(client.aclose(), self.timeout)
+            except Exception as exc:  # noqa: BLE001 - closing: the sockets go anyway
+                log.debug("remote tier: closing the asyncio client: %s", exc)
+
     def _redis(self) -> Any:
         """The client, made on first use (a Redis Cluster client asks the cluster
         for its slots when made, which fails while the cluster is down)."""
@@ -345,32 +473,71 @@ class RemoteTier:
                 self._client = self._make_client()
             return self._client
 
-    def _make_client(self) -> Any:
+    def _settings(self) -> tuple[str, dict[str, Any]]:
+        """The URL redis-py parses and the settings of every connection, sync and
+        asyncio alike: explicit timeouts, no health-check pings (no retries is
+        set by each maker, as the two clients take different Retry classes)."""
         scheme, rest = self.url.split("://", 1)
-        url = scheme.replace("+cluster", "") + "://" + rest
-        common: dict[str, Any] = {
+        settings: dict[str, Any] = {
             "password": self._password,
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
             "health_check_interval": 0,
         }
+        if scheme.startswith("rediss"):  # certificates and host name always verified
+            settings["ssl_cert_reqs"] = "required"
+            for name, path in (
+                ("ssl_ca_certs", self.tls_ca),
+                ("ssl_certfile", self.tls_cert),
+                ("ssl_keyfile", self.tls_key),
+            ):
+                if path:
+                    settings[name] = path
+        return scheme.replace("+cluster", "") + "://" + rest, settings
+
+    def _make_client(self) -> Any:
+        url, settings = self._settings()
         no_retry = Retry(NoBackoff(), 0)
         if self.cluster:
-            return RedisCluster.from_url(url, retry=no_retry, **common)
+            return RedisCluster.from_url(url, retry=no_retry, **settings)
         pool = redis.BlockingConnectionPool.from_url(
             url,
             max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
             timeout=self.timeout,
             retry=no_retry,
-            **common,
+            **settings,
         )
         return redis.Redis(connection_pool=pool)
 
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run one Redis exchange under the breaker; raise only _Skipped."""
+    def _aredis(self) -> Any:
+        """The asyncio client for Lookup, on the loop, made on first use."""
+        if self._aclient is None:
+            url, settings = self._settings()
+            no_retry = AsyncRetry(NoBackoff(), 0)
+            if self.cluster:
+                self._aclient = aredis.RedisCluster.from_url(url, retry=no_retry, **settings)
+            else:
+                pool = aredis.ConnectionPool.from_url(
+                    url, max_connections=REMOTE_FETCHERS, retry=no_retry, **settings
+                )
+                self._aclient = aredis.Redis(connection_pool=pool)
+        return self._aclient
+
+    def _refused(self) -> str | None:
+        """Why no call may go to Redis now (counted), or None."""
+        if not self.resolver.usable():
+            self._count(self.errors, DNS)
+            return DNS
         if self._closed or not self.breaker.allow():
             self._count(self.errors, BREAKER_OPEN)
-            raise _Skipped(BREAKER_OPEN)
+            return BREAKER_OPEN
+        return None
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run one Redis exchange under the breaker; raise only _Skipped."""
+        refused = self._refused()
+        if refused:
+            raise _Skipped(refused)
         try:
             result = fn(self._redis())
         except Exception as exc:  # a Redis failure is a miss, counted
@@ -467,8 +634,9 @@ class RemoteTier:
     def _submit(self, fn: Callable[[Any], Any]) -> asyncio.Future[Any] | None:
         """Run an exchange on a reader thread; None (busy, counted) when every reader
         is still waiting on Redis, so a stuck Redis never queues up requests."""
-        if self.breaker.blocked():  # no thread for a call that would be refused
-            self._count(self.errors, BREAKER_OPEN)
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():  # no thread for a call that is refused
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
             return None
         if self._fetching >= REMOTE_FETCHERS:
             self._count(self.errors, BUSY)
@@ -508,17 +676,103 @@ class RemoteTier:
     async def present(self, namespace: str, layout: str, keys: list[bytes]) -> list[bool]:
         """Whether Redis holds each of ``keys`` (Lookup; values are verified when
         Retrieve fetches them); [] when it cannot say within the budget. One
-        pipelined EXISTS round trip."""
-        rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
+        pipelined EXISTS round trip, on the loop."""
+        rkeys = redis_keys(self.prefix, namespace, layout, keys)
+        found = await self._ask(rkeys, self.lookup_budget)
+        return [] if found is None else [bool(f) for f in found]
 
-        def exists(r: Any) -> list[int]:
+    async def _ask(self, rkeys: list[bytes], budget: float) -> list[int] | None:
+        """EXISTS of each key, or None: skipped, failed or over budget. The exchange
+        is a task bounded by --remote-timeout; past the budget the caller goes on
+        and the task ends by itself (its outcome still feeds the breaker), so a
+        cut-off read never leaves a connection mid-reply."""
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():  # no task for a call that is refused
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
+            return None
+        if self._asking >= REMOTE_FETCHERS:
+            self._count(self.errors, BUSY)
+            return None
+        self._asking += 1
+        task = self.loop.create_task(self._acall(rkeys))
+        # A bare future woken by the task or the budget's timer: what wait_for does,
+        # without shield's and timeout's extra futures and cancellation (about 20 µs
+        # of a 0.3 ms exchange on the benchmark host).
+        woken = self.loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(self._done_asking)
+        task.add_done_callback(wake)
+        timer = self.loop.call_later(max(budget, 0.0), wake)
+        try:
+            await woken
+        finally:  # also when the call is cancelled: the task ends by itself
+            timer.cancel()
+            if not task.done():
+                task.add_done_callback(_consume)
+        if not task.done():
+            self._count(self.errors, "budget")
+            return None
+        if task.cancelled() or task.exception() is not None:  # _Skipped: counted
+            return None
+        return task.result()
+
+    def _done_asking(self, _task: asyncio.Task[list[int]]) -> None:
+        self._asking -= 1
+
+    async def _acall(self, rkeys: list[bytes]) -> list[int]:
+        """The asyncio twin of _call for EXISTS: the breaker, one deadline of
+        --remote-timeout for connect, send and reply together; raises only _Skipped."""
+        refused = self._refused()
+        if refused:
+            raise _Skipped(refused)
+        try:
+            async with _deadline(self.timeout):
+                found = await self._exists(self._aredis(), rkeys)
+        except Exception as exc:  # a Redis failure is a miss, counted
+            self._count_error(exc)
+            if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
+                stale, self._aclient = self._aclient, None  # maybe a stale slot table
+                if stale is not None:
+                    with contextlib.suppress(Exception):
+                        await stale.aclose()
+            self.breaker.failure()
+            _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+            raise _Skipped(error_kind(exc)) from exc
+        self.breaker.success()
+        return found
+
+    async def _exists(self, r: Any, rkeys: list[bytes]) -> list[int]:
+        """One pipelined EXISTS round trip. Standalone: the pool's connection
+        directly, with the one deadline around it rather than redis-py's timer per
+        reply (those timers were half the cost of the exchange); a reply cut off
+        disconnects the connection (redis-py does it), never returns it mid-reply."""
+        if self.cluster:  # keys on every shard: redis-py groups them by node
             pipe = r.pipeline(transaction=False)
             for k in rkeys:
                 pipe.exists(k)
-            return list(pipe.execute())
-
-        found = await self._exchange(exists, self.lookup_budget)
-        return [] if found is None else [bool(f) for f in found]
+            return list(await pipe.execute())
+        # Idle connections are kept here rather than in redis-py's pool, whose lock
+        # and readiness probe per checkout cost a tenth of the exchange; at most
+        # REMOTE_FETCHERS exchanges (so connections) at once.
+        conn = self._idle.pop() if self._idle else r.connection_pool.make_connection()
+        found: list[int] | None = None
+        try:
+            if not conn.is_connected:
+                await conn.connect()
+            await conn.send_packed_command(
+                conn.pack_commands([("EXISTS", k) for k in rkeys]), check_health=False
+            )
+            found = [await conn.read_response(timeout=math.inf) for _ in rkeys]
+            return found
+        finally:
+            if found is not None:
+                self._idle.append(conn)
+            else:  # failed or cut off: never reused mid-reply
+                await conn.disconnect(nowait=True)
 
     async def fetch(self, namespace: str, layout: str, keys: list[bytes], budget: float) -> int:
         """Bring ``keys`` missing from the local store, verified, from Redis into it up
@@ -529,7 +783,7 @@ class RemoteTier:
         if not keys:
             return 0
         started = time.monotonic()
-        rkeys = [redis_key(self.prefix, namespace, layout, k) for k in keys]
+        rkeys = redis_keys(self.prefix, namespace, layout, keys)
         values = await self._exchange(lambda r: self._get_values(r, rkeys, layout), budget)
         if not values:
             self.misses += len(keys)
@@ -638,6 +892,10 @@ class RemoteTier:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+
+class _Unresolved(socket.gaierror):
+    """--remote's host name has no answer from DNS (or none in time)."""
 
 
 class _Skipped(Exception):

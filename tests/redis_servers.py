@@ -34,12 +34,19 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """One redis-server on 127.0.0.1, no persistence, in ``workdir``."""
+    """One redis-server on 127.0.0.1, no persistence, in ``workdir``. ``user``: an
+    ACL user (with ``password``) and the default user off. ``tls``: a directory
+    with ca.pem, server.pem and server.key (tests/certs.py): TLS only, clients must
+    show a certificate that CA signed (Redis' default tls-auth-clients yes)."""
 
-    def __init__(self, workdir: Path, *args: str, password: str = "") -> None:
+    def __init__(
+        self, workdir: Path, *args: str, password: str = "", user: str = "", tls: Path | None = None
+    ) -> None:
         self.workdir = workdir
         self.args = args
         self.password = password
+        self.user = user
+        self.tls = tls
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -50,12 +57,20 @@ class RedisServer:
         for attempt in range(5):
             self.port = port or free_port()
             auth = ["--requirepass", self.password] if self.password else []
+            if self.user:  # one config line, given as separate words
+                acl = [self.user, "on", f">{self.password}", "~*", "&*", "+@all"]
+                auth = ["--user", *acl, "--user", "default", "off"]
+            port_args = ["--port", str(self.port)]
+            if self.tls is not None:
+                port_args = ["--port", "0", "--tls-port", str(self.port),
+                             "--tls-cert-file", str(self.tls / "server.pem"),
+                             "--tls-key-file", str(self.tls / "server.key"),
+                             "--tls-ca-cert-file", str(self.tls / "ca.pem")]  # fmt: skip
             self.log = self.workdir / f"redis-{self.port}.log"
             self.proc = subprocess.Popen(
                 [
                     "redis-server",
-                    "--port",
-                    str(self.port),
+                    *port_args,
                     "--bind",
                     "127.0.0.1",
                     "--save",
@@ -92,6 +107,12 @@ class RedisServer:
 
     def cli(self, *args: str, check: bool = True, stdin: bytes | None = None) -> str:
         auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        if self.user:
+            auth += ["--user", self.user]
+        if self.tls is not None:
+            auth += ["--tls", "--cacert", str(self.tls / "ca.pem"),
+                     "--cert", str(self.tls / "client.pem"),
+                     "--key", str(self.tls / "client.key")]  # fmt: skip
         done = subprocess.run(
             ["redis-cli", "-p", str(self.port), *auth, *args],
             input=stdin,
@@ -105,7 +126,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        scheme = "rediss" if self.tls is not None else "redis"
+        user = f"{self.user}@" if self.user else ""
+        return f"{scheme}://{user}127.0.0.1:{self.port}"
 
     def stop_process(self) -> None:
         """SIGSTOP: the socket accepts connections, nothing answers."""

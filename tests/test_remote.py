@@ -5,6 +5,7 @@ credentials refused."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -14,15 +15,20 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aredis
 import torch
+from certs import make_ca, make_cert
 from conftest import SERVING, ServerThread, health_status, make_cache
 from prometheus_client import generate_latest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis_servers import RedisCluster, RedisServer, free_port, require_redis
 
+from kvsvc import failpoints
 from kvsvc.client import KVCacheClient
 from kvsvc.config import ServerConfig
 from kvsvc.kvcache import SharedKVCache
-from kvsvc.remote import CLOSED, OPEN, RemoteTier, redis_key
+from kvsvc.remote import CLOSED, OPEN, RemoteTier, Resolver, redis_key
 
 pytestmark = pytest.mark.slow  # starts redis-server and kvsvc servers
 
@@ -395,8 +401,9 @@ def test_unreachable_redis_at_start_up_still_serves(node) -> None:
 
 
 def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, float | None]]:
-    """(retries, socket timeout, connect timeout) of every connection the tier's client
-    would open: the client itself, and each cluster node's pool."""
+    """(retries, socket timeout, connect timeout) of every connection the tier's clients
+    would open: the sync client (reads and writes on threads) and the asyncio one
+    (Lookup on the loop), and each cluster node's pool."""
     client = remote._redis()
     if isinstance(client, redis.RedisCluster):
         pools = [n.redis_connection.connection_pool for n in client.get_nodes()]
@@ -410,14 +417,42 @@ def data_path_settings(remote: RemoteTier) -> list[tuple[int, float | None, floa
     return out
 
 
+def async_settings(st: ServerThread) -> list[tuple[int, float | None, float | None]]:
+    """The same for the asyncio client, made on the server's loop as Lookup makes it."""
+    remote = tier(st)
+
+    async def read() -> list[tuple[int, float | None, float | None]]:
+        client = remote._aredis()
+        out: list[tuple[int, float | None, float | None]]
+        if isinstance(client, aredis.RedisCluster):
+            await client.initialize()
+            out = [(client.retry.get_retries(), None, None)]
+            nodes = client.get_nodes()
+            conns = [n.acquire_connection() for n in nodes]
+            for n, conn in zip(nodes, conns, strict=True):
+                n.release(conn)
+        else:
+            out = [(-1, None, None)]  # no client-level retry: the connections' own
+            conns = [client.connection_pool.make_connection()]
+        for conn in conns:
+            out.append((conn.retry.get_retries(), conn.socket_timeout, conn.socket_connect_timeout))
+        return out
+
+    return asyncio.run_coroutine_threadsafe(read(), remote.loop).result(30)
+
+
 def test_every_redis_connection_has_timeouts_and_no_retries(node, redis_server, tmp_path) -> None:
     # redis-py's default Retry turns a dead Redis into seconds per call.
     a, _ = node("a", redis_server.url, remote_timeout=0.25)
     assert data_path_settings(tier(a)) == [(0, 0.25, 0.25)]
+    assert async_settings(a) == [(-1, None, None), (0, 0.25, 0.25)]
     cluster = RedisCluster(tmp_path / "cluster")
     try:
         c, _ = node("c", cluster.url, remote_timeout=0.25)
         settings = data_path_settings(tier(c))
+        assert settings[0][0] == 0
+        assert settings[1:] == [(0, 0.25, 0.25)] * 3
+        settings = async_settings(c)
         assert settings[0][0] == 0
         assert settings[1:] == [(0, 0.25, 0.25)] * 3
     finally:
@@ -436,3 +471,174 @@ def test_ttl_and_prefix_are_applied_to_every_value(node, redis_server) -> None:
     assert all(k.startswith("team1:") for k in keys), keys
     ttls = [int(redis_server.cli("ttl", k).strip()) for k in keys]
     assert all(0 < t <= 300 for t in ttls), ttls
+
+
+# --- TLS (rediss://) and ACL users ------------------------------------------------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA, a Redis server certificate for 127.0.0.1, a client certificate, and a CA
+    that signed neither."""
+    d = tmp_path_factory.mktemp("pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_cert(d, "ca", "server", "localhost", "DNS:localhost,IP:127.0.0.1")
+    make_cert(d, "ca", "client", "kvsvc")
+    return d
+
+
+def tls_files(pki: Path, ca: str = "ca") -> dict[str, str]:
+    return {
+        "remote_tls_ca": str(pki / f"{ca}.pem"),
+        "remote_tls_cert": str(pki / "client.pem"),
+        "remote_tls_key": str(pki / "client.key"),
+    }
+
+
+def test_tls_redis_round_trip_with_ca_and_client_certificate(node, pki, tmp_path) -> None:
+    require_redis()
+    r = RedisServer(tmp_path / "redis", tls=pki)  # TLS only, client certificates required
+    try:
+        assert r.url.startswith("rediss://")
+        with pytest.raises(redis.ConnectionError):  # nothing answers in plaintext
+            redis.Redis(port=r.port, socket_timeout=2, retry=Retry(NoBackoff(), 0)).ping()
+        a, shm_a = node("a", r.url, **tls_files(pki))
+        b, shm_b = node("b", r.url, **tls_files(pki))
+        src = make_cache(shm_a, "src", seed=11)
+        dst = make_cache(shm_b, "dst")
+        with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+            ma = ca.map("llama", [src.rank_region()])
+            mb = cb.map("llama", [dst.rank_region()])
+            assert ca.store(ma, [(b"t1", [0, 1]), (b"t2", [2])]).stored_chunks == 2
+            wait_for("written over TLS", lambda: tier(a).writes == 2)
+            # Lookup (asyncio, on the loop) and Retrieve (threads), both over TLS.
+            assert cb.lookup([b"t1", b"t2", b"t3"], mapping=mb) == 2
+            assert cb.retrieve(mb, [(b"t1", [5, 6]), (b"t2", [7])]).loaded_chunks == 2
+            assert all(
+                torch.equal(x, y)
+                for x, y in zip(blocks(src, [0, 1, 2]), blocks(dst, [5, 6, 7]), strict=True)
+            )
+            assert tier(a).errors == {} and tier(b).errors == {}
+        assert int(r.cli("dbsize").strip()) == 2
+    finally:
+        r.kill()
+
+
+def test_tls_certificate_refused_or_missing(node, pki, tmp_path) -> None:
+    require_redis()
+    r = RedisServer(tmp_path / "redis", tls=pki)
+    try:
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        # A CA that did not sign Redis' certificate: one error at start-up, exit 2
+        # (it will not heal by itself).
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in tls_files(pki, "other-ca").items()]
+        done = serve(shm, "--remote", r.url, *flags)
+        assert done.returncode == 2, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvsvc serve:")]
+        assert len(lines) == 1 and "TLS certificate did not verify" in lines[0], done.stderr
+        # TLS files without rediss:// are refused before anything starts.
+        done = serve(shm, "--remote", f"redis://127.0.0.1:{r.port}", "--remote-tls-ca",
+                     str(pki / "ca.pem"))  # fmt: skip
+        assert done.returncode == 2 and "rediss://" in done.stderr, done.stderr
+
+        # No client certificate (Redis asks for one): degraded, counted, still serving.
+        a, _ = node("a", r.url, remote_tls_ca=str(pki / "ca.pem"), remote_timeout=1.0)
+        with KVCacheClient(a.address) as ca:
+            ca.put("ns", [(b"k", b"v")])
+            assert ca.lookup([b"k", b"x"], namespace="ns") == 1
+            wait_for("write dropped", lambda: tier(a).dropped_writes == 1)
+        assert health_status(a.address) == SERVING
+        errors = tier(a).errors
+        assert errors.get("tls", 0) + errors.get("connection", 0) >= 1, errors
+        assert tier(a).writes == 0
+    finally:
+        r.kill()
+
+
+def test_acl_user_name_in_the_url_password_from_the_file(node, tmp_path) -> None:
+    require_redis()
+    # An ACL user; the default user is off, so every call kvsvc makes needs it.
+    r = RedisServer(tmp_path / "redis", user="kv-writer", password="acl-pass-1")
+    try:
+        assert r.url.startswith("redis://kv-writer@")
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        wrong = tmp_path / "wrong"
+        wrong.write_text("acl-pass-2\n")
+        done = serve(shm, "--remote", r.url, "--remote-password-file", str(wrong))
+        assert done.returncode == 2, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("kvsvc serve:")]
+        assert len(lines) == 1 and "Redis refused the credentials" in lines[0], done.stderr
+        assert "acl-pass" not in done.stderr
+
+        good = tmp_path / "good"
+        good.write_text("acl-pass-1\n")
+        a, _ = node("a", r.url, remote_password_file=str(good))
+        b, _ = node("b", r.url, remote_password_file=str(good))
+        with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+            ca.put("ns", [(b"k", b"v")])
+            wait_for("written as the ACL user", lambda: tier(a).writes == 1)
+            assert cb.lookup([b"k"], namespace="ns") == 1  # asyncio client, same user
+            assert cb.get("ns", b"k") == b"v"  # sync client, same user
+        users = {
+            field.split("=", 1)[1]
+            for line in r.cli("client", "list").splitlines()
+            for field in line.split()
+            if field.startswith("user=")
+        }
+        assert users <= {"kv-writer"}, users
+    finally:
+        r.kill()
+
+
+# --- host names: DNS that fails or never answers ------------------------------------
+def test_unresolvable_host_name_is_a_counted_miss(node) -> None:
+    a, _ = node("a", "redis://kvsvc-no-such-host.invalid:6379", remote_timeout=0.3)
+    with KVCacheClient(a.address) as ca:
+        ca.put("ns", [(b"k", b"v")])
+        assert ca.lookup([b"k", b"other"], namespace="ns", timeout=10) == 1
+        assert ca.get("ns", b"k") == b"v"
+        wait_for("write dropped", lambda: tier(a).dropped_writes == 1)
+    assert health_status(a.address) == SERVING
+    assert tier(a).errors.get("dns", 0) >= 1, tier(a).errors
+    text = generate_latest(a.server.servicer.metrics.registry).decode()
+    assert 'kvsvc_remote_errors_total{kind="dns"}' in text
+
+
+def test_dns_that_never_answers_bounds_start_up_and_every_call(node, redis_server) -> None:
+    # The lookup of "localhost" takes 30 s (a DNS server that does not answer):
+    # start-up, Lookup, Retrieve and Store all answer far sooner, from the local store.
+    failpoints.load("remote.resolve=sleep(30000)")
+    try:
+        t0 = time.monotonic()
+        a, shm_a = node("a", f"redis://localhost:{redis_server.port}", remote_timeout=0.3)
+        assert time.monotonic() - t0 < 20
+        src = make_cache(shm_a, "src", seed=12)
+        with KVCacheClient(a.address) as ca:
+            ma = ca.map("llama", [src.rank_region()])
+            for i in range(3):
+                t0 = time.monotonic()
+                assert ca.store(ma, [(b"s-%d" % i, [i])], timeout=15).stored_chunks == 1
+                assert ca.lookup([b"s-0", b"far-%d" % i], mapping=ma, timeout=15) == 1
+                r = ca.retrieve(ma, [(b"s-0", [5]), (b"far-%d" % i, [6])], timeout=15)
+                assert r.loaded_chunks == 1
+                assert time.monotonic() - t0 < 15
+            wait_for("writes dropped", lambda: tier(a).dropped_writes == 3)
+        assert tier(a).writes == 0 and tier(a).errors.get("dns", 0) >= 3, tier(a).errors
+        assert health_status(a.address) == SERVING
+        assert redis_server.cli("dbsize").strip() == "0"
+    finally:
+        failpoints.load("")
+
+
+def test_a_late_dns_answer_lets_calls_resume() -> None:
+    failpoints.load("remote.resolve=sleep(1000)")
+    try:
+        resolver = Resolver("redis://localhost:6379", timeout=0.2)
+        assert resolver.needed and not resolver.first()  # not within --remote-timeout
+        assert not resolver.usable()
+        wait_for("the late answer", resolver.usable)
+    finally:
+        failpoints.load("")
+    assert not Resolver("redis://127.0.0.1:6379", timeout=0.2).needed
+    assert not Resolver("rediss+cluster://[::1]:7000", timeout=0.2).needed

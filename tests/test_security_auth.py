@@ -26,6 +26,7 @@ from kvsvc.errors import MappingLost, PermissionDenied, Unauthenticated
 from kvsvc.ids import new_request_id
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
+from tests.certs import make_ca, make_cert
 from tests.conftest import SERVING, ServerThread, health_status, make_cache
 
 TOKEN_A = secrets.token_hex(16)
@@ -321,25 +322,6 @@ def test_health_listener_answers_probes_while_the_main_port_refuses_them(make_se
 
 
 # --- mTLS with real certificates ---------------------------------------------------
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(d: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-            f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)  # fmt: skip
-
-
-def make_cert(d: Path, ca: str, name: str, cn: str, san: str = "") -> None:
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", f"{name}.pem",
-            cwd=d)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("pki")
