@@ -22,6 +22,7 @@ from conftest import (
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import (
+    NOT_STARTED,
     DeadlineExceeded,
     InvalidRequest,
     MappingLost,
@@ -284,9 +285,12 @@ def test_unmap_that_cannot_fence_in_time_keeps_the_mapping(spawn, shm_dir) -> No
         m = c.map("ns", [cache.rank_region()])
         fut = c.store_async(m, [(b"a", [0]), (b"b", [1])])
         wait_inflight(srv.address, 1)
-        with pytest.raises(TransferUnprovable) as ei:
+        with pytest.raises((TransferUnprovable, DeadlineExceeded)) as ei:
             c.unmap(m, timeout=0.5)
-        assert ei.value.reason == "UNMAP_FENCE_TIMEOUT" or ei.value.metadata.get("grpcCode")
+        if isinstance(ei.value, TransferUnprovable):  # the fence ran out of time
+            assert ei.value.reason == "UNMAP_FENCE_TIMEOUT" or ei.value.metadata.get("grpcCode")
+        else:  # a loaded host: the 0.5 s were gone before the Unmap could start
+            assert ei.value.transfer_state == NOT_STARTED, ei.value
         # Two 4 s copies, one after the other where one copy thread takes both: a
         # bound for a loaded host, not a timing claim.
         assert fut.result(60).stored_chunks == 2
