@@ -86,6 +86,20 @@ def batched(messages: list[M]) -> list[M]:
     return out
 
 
+def _with_queued(
+    first: pb.SessionRequest, out: queue.SimpleQueue[Any] | asyncio.Queue[Any]
+) -> tuple[list[pb.SessionRequest], bool]:
+    """``first`` and the requests queued behind it, as batches; and whether the
+    queue's end (None) came among them."""
+    gathered = [first]
+    while not out.empty():
+        nxt = out.get_nowait()
+        if nxt is None:
+            return batched(gathered), True
+        gathered.append(nxt)
+    return batched(gathered), False
+
+
 def carries(plan: Plan[Any]) -> bool:
     return plan.call.method in FIELDS
 
@@ -161,13 +175,8 @@ class SyncSession:
             if not batches or self._out.empty():
                 yield req
                 continue
-            gathered, end = [req], False
-            while not end and not self._out.empty():
-                nxt = self._out.get_nowait()
-                end = nxt is None
-                if nxt is not None:
-                    gathered.append(nxt)
-            yield from batched(gathered)
+            messages, end = _with_queued(req, self._out)
+            yield from messages
             if end:
                 return
 
@@ -274,13 +283,8 @@ class AsyncSession:
             if not batches or self._out.empty():
                 yield req
                 continue
-            gathered, end = [req], False
-            while not end and not self._out.empty():
-                nxt = self._out.get_nowait()
-                end = nxt is None
-                if nxt is not None:
-                    gathered.append(nxt)
-            for message in batched(gathered):
+            messages, end = _with_queued(req, self._out)
+            for message in messages:
                 yield message
             if end:
                 return
