@@ -199,7 +199,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.remote = RemoteTier(config, self.store, self.loop) if config.remote != "off" else None
         if self.remote is not None:
             self.remote.start()
-        self.engine = TransferEngine(config.transfer_threads)
+        self.engine = TransferEngine(config.transfer_threads, config.inline_copy_bytes)
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._sessions: set[asyncio.Queue[pb.SessionResponse | None]] = set()
@@ -597,7 +597,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 for piece in side.pieces(self.store.buffer(chunk), ci, to_store=True)
             ]
             nbytes = sum(c.size for c, _ in todo)
-            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize)
+            loop_safe = all(side.loop_safe for _, side in todo)
+            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
         if evicted:
             log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
         return pb.StoreResult(
@@ -617,8 +618,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         nbytes: int,
         pieces: list[Piece],
         finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
+        loop_safe: bool,
     ) -> list[list[Digest]]:
-        """Run the pieces of one copy on the transfer engine."""
+        """Run the pieces of one copy on the transfer engine (``loop_safe``: see
+        TransferEngine.run)."""
         call.started = True
         t0 = time.perf_counter()
         try:
@@ -629,6 +632,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 call.deadline,
                 tasks(pieces, nbytes, self.config.transfer_threads),
                 finalize,
+                loop_safe=loop_safe,
             )
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
@@ -671,6 +675,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             nbytes,
             pieces,
             lambda results, error: self.store.release(chunks),
+            all(side.loop_safe for _, side in sides[: len(chunks)]),
         )
         return pb.RetrieveResult(
             loaded_chunks=len(chunks),
