@@ -69,11 +69,14 @@ class NativeCopy:
         lib = ctypes.CDLL(str(path))
         u32, vp, size = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t
         lib.kvsvc_crc32c_init.restype = ctypes.c_int
-        self.hardware = bool(lib.kvsvc_crc32c_init())
-        for name in ("kvsvc_crc32c", "kvsvc_crc32c_tables"):
+        #: 0: CRC on tables; 1: the crc32 instruction; 2: and VPCLMULQDQ folding
+        self.level = lib.kvsvc_crc32c_init()
+        self.hardware = self.level > 0
+        for name in ("kvsvc_crc32c", "kvsvc_crc32c_nofold", "kvsvc_crc32c_tables"):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = u32, [u32, vp, size]
         self.crc32c, self.crc32c_tables = lib.kvsvc_crc32c, lib.kvsvc_crc32c_tables
+        self.crc32c_nofold = lib.kvsvc_crc32c_nofold
         fn = lib.kvsvc_copy_segments
         fn.restype = ctypes.c_long
         fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
