@@ -18,6 +18,7 @@ import collections
 import functools
 import itertools
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -185,11 +186,13 @@ def run(chunk_blocks: int, calls: int, op: str) -> str:
                     break
             time.sleep(0.5)
             c.unmap(m)
+        server_stamps = [
+            (n, int(t)) for n, t in (line.split("\t") for line in out.read_text().splitlines())
+        ]
     finally:
         stop_process(proc, 15)
-    server_stamps = [
-        (n, int(t)) for n, t in (line.split("\t") for line in out.read_text().splitlines())
-    ]
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     return report(client_stamps + server_stamps, chunk_blocks, op)
 
 
