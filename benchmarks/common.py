@@ -166,6 +166,63 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, from /proc."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class ThreadsBusy:
+    """Cores some threads of a process keep busy while the calls wrapped by
+    ``measure`` run: their CPU seconds (/proc/PID/task/TID/stat, read by ``start``
+    and ``stop`` around a phase, so no call pays for reading them) over the wall
+    seconds of those calls. Only meaningful when nothing else in the phase makes
+    those threads work. kvsvc names its copy threads in the OS (``kvsvc-copy-N``);
+    its event loop runs on the main thread (TID = PID)."""
+
+    def __init__(self, pid: int, prefix: str = "kvsvc-copy-") -> None:
+        self.pid, self.cpu, self.loop_cpu, self.wall = pid, 0.0, 0.0, 0.0
+        self.tids: list[int] = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                if (task / "comm").read_text().strip().startswith(prefix):
+                    self.tids.append(int(task.name))
+        self._at: tuple[float, float] = (0.0, 0.0)
+
+    def _read(self) -> tuple[float, float]:
+        cpu = thread_cpu(self.pid)
+        return sum(cpu.get(t, 0.0) for t in self.tids), cpu.get(self.pid, 0.0)
+
+    def start(self) -> None:
+        self._at = self._read()
+
+    def stop(self) -> None:
+        (c0, l0), (c1, l1) = self._at, self._read()
+        self.cpu += c1 - c0
+        self.loop_cpu += l1 - l0
+
+    def measure(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.wall += time.perf_counter() - t0
+
+        return run
+
+    def cores(self) -> tuple[float, float]:
+        """(copy threads, event loop thread) cores busy over the measured calls."""
+        return (self.cpu / self.wall, self.loop_cpu / self.wall) if self.wall else (0.0, 0.0)
+
+
 # --- machine ---
 def machine_info() -> dict[str, str]:
     """The facts a reader needs to compare figures across machines."""

@@ -10,6 +10,11 @@ run, in alternating rounds (so machine noise hits all three alike):
   memory this way (not through mmap, so a client truncating its file cannot
   SIGBUS the server), so this is its ceiling on this machine.
 
+While kvsvc's calls run, the cores its copy threads (``kvsvc-copy-N``) and its
+event-loop thread keep busy are read from /proc/PID/task/*/stat: a copy thread
+that waits (for the GIL, for work) shows as a share of a core under 1. Copies of
+at most ``--inline-copy-bytes`` (4 MiB) run on the loop thread, not the copy threads.
+
 Chunk = blocks of a Llama-3-8B-shaped KV cache in vLLM's layout (32 layers,
 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB per block), so a 32 MiB
 chunk is one 256-token chunk. Prints a markdown table; the ratio columns are
@@ -27,7 +32,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from benchmarks.common import KvsvcServer, NullProgress, Progress, bench_interleaved, md_table
+from benchmarks.common import (
+    KvsvcServer,
+    NullProgress,
+    Progress,
+    ThreadsBusy,
+    bench_interleaved,
+    md_table,
+)
 from kvsvc.client import KVCacheClient
 from kvsvc.kvcache import SharedKVCache
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -76,6 +88,7 @@ def run(
                     n_clients,
                     seconds,
                     threads,
+                    server.pid,
                 )
             )
             for r in rows[-2:]:
@@ -87,10 +100,12 @@ def run(
 def table(rows: list[dict]) -> str:
     return md_table(
         ["region", "op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s",
-         "kvsvc/torch", "preadv GB/s", "kvsvc/preadv"],
+         "kvsvc/torch", "preadv GB/s", "kvsvc/preadv", "copy threads busy (cores)",
+         "loop thread busy"],
         [(r["region"], r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
           f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}", f"{r['pread']:.2f}",
-          f"{r['kvsvc'] / r['pread']:.2f}") for r in rows],
+          f"{r['kvsvc'] / r['pread']:.2f}", f"{r['copy_cores']:.2f} of {r['threads']}",
+          f"{r['loop_cores']:.2f}") for r in rows],
     )  # fmt: skip
 
 
@@ -132,7 +147,10 @@ def _pwrite_all(ops: list[Op]) -> None:
 
 
 def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: int,
-             n_clients: int, seconds: float, threads: int = 2) -> list[dict]:  # fmt: skip
+             n_clients: int, seconds: float, threads: int = 2,
+             server_pid: int | None = None) -> list[dict]:  # fmt: skip
+    """One case; with ``server_pid``, the cores its copy threads and event-loop
+    thread keep busy while kvsvc's calls run (from /proc)."""
     blocks = chunk_blocks * batch
     tag = f"bench-{os.getpid()}-{region}-{chunk_blocks}-{batch}-{n_clients}"
     memfd = region == "memfd"
@@ -235,8 +253,21 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
             return go
 
         total = nbytes * n_clients
-        stores = bench_interleaved(
-            {"kvsvc": store_all, "plain": plain("store"), "pread": raw("store")}, total, seconds
+        busy = {op: ThreadsBusy(server_pid) if server_pid else None for op in ("store", "retrieve")}
+
+        def phase(op: str, fns: dict[str, Callable[[], None]]) -> dict[str, float]:
+            meter = busy[op]
+            if meter is None:
+                return bench_interleaved(fns, total, seconds)
+            meter.start()  # the server's threads work only during kvsvc's calls
+            try:
+                return bench_interleaved({**fns, "kvsvc": meter.measure(fns["kvsvc"])},
+                                         total, seconds)  # fmt: skip
+            finally:
+                meter.stop()
+
+        stores = phase(
+            "store", {"kvsvc": store_all, "plain": plain("store"), "pread": raw("store")}
         )
         # the chunks of the last store are present: retrieve them repeatedly
         last = next(counter) - 1
@@ -247,10 +278,9 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                 maps[i][1], [(keys[j], ids[j]) for j in range(batch)]))  # fmt: skip
             assert all(r.loaded_chunks == batch for r in results), results
 
-        retrieves = bench_interleaved(
+        retrieves = phase(
+            "retrieve",
             {"kvsvc": retrieve_all, "plain": plain("retrieve"), "pread": raw("retrieve")},
-            total,
-            seconds,
         )
         # the blocks kvsvc retrieves are the stored ones, bit for bit (the references
         # wrote dst too: clear it first)
@@ -268,12 +298,17 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
         mib = chunk_blocks * BLOCK_BYTES >> 20
         for op, r in (("store", stores), ("retrieve", retrieves)):
             kv, ref, pread = r["kvsvc"], r["plain"], r["pread"]
+            meter = busy[op]
+            copy_cores, loop_cores = meter.cores() if meter else (float("nan"),) * 2
             out.append(dict(region=region, op=op, chunk=mib, batch=batch, clients=n_clients,
-                            kvsvc=kv, plain=ref, pread=pread,
+                            kvsvc=kv, plain=ref, pread=pread, threads=threads,
+                            copy_cores=copy_cores, loop_cores=loop_cores,
                             line=f"{region:5} {op:8} {mib:2} MiB x {batch:2} x {n_clients} "
                                  "clients: "
                                  f"kvsvc {kv:6.2f} GB/s  torch {ref:6.2f} GB/s ({kv / ref:.2f})  "
-                                 f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})"))  # fmt: skip
+                                 f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})  "
+                                 f"copy threads busy {copy_cores:.2f} of {threads} cores, "
+                                 f"loop thread {loop_cores:.2f}"))  # fmt: skip
     finally:
         for fd in fds:
             os.close(fd)

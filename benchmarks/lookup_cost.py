@@ -29,10 +29,9 @@ from typing import Any
 
 import grpc
 
-from benchmarks.common import NullProgress, Progress, md_table
+from benchmarks.common import NullProgress, Progress, md_table, thread_cpu
 from benchmarks.control_plane import KEYS, NAMESPACE, Subprocess, lookup_request, sizes
 from benchmarks.echo_server import ECHO_METHOD
-from benchmarks.profile_server import thread_cpu
 from kvsvc.client import KVCacheClient
 from kvsvc.config import channel_options
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import KvsvcServer, md_table
+from benchmarks.common import KvsvcServer, md_table, thread_cpu
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.kvcache import SharedKVCache
 
@@ -131,19 +131,6 @@ def summary_markdown(title: str, s: dict[str, Any]) -> str:
         md_table(["function on the stack (inclusive)", "share"],
                  [(f"`{n}`", f"{x:.1%}") for n, x in s["inclusive"]]),
     ])  # fmt: skip
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, from /proc."""
-    out: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def thread_names(raw: str) -> dict[int, str]:

@@ -184,6 +184,11 @@ def _parse_size(text: str) -> int:
     return value
 
 
+def _size_or_off(text: str) -> int:
+    """A size, or 0 for '0' / 'off'."""
+    return 0 if _off(text) or text.strip() == "0" else _parse_size(text)
+
+
 def format_size(n: int) -> str:
     """The shortest form _parse_size reads back exactly: 1073741824 -> '1G'."""
     for unit in "TGMK":
@@ -358,6 +363,7 @@ class ServerConfig:
     socket_group: str = ""
     device: str = "auto"
     transfer_threads: int = 2
+    inline_copy_bytes: int = 4 * MiB
     shutdown_grace: float = 10.0
     stall_timeout: float = 10.0
     default_deadline: float = DEFAULT_TRANSFER_DEADLINE_S
@@ -406,6 +412,9 @@ _HELP = {
     "device": "where mapped regions live: 'cpu', 'cuda' (fails at start-up without CUDA), "
     "or 'auto' (cuda when available)",
     "transfer_threads": "worker threads that run copies off the event loop",
+    "inline_copy_bytes": "a Store/Retrieve of at most this many bytes between sealed memfds "
+    "(or the message) and the store copies on the event loop's thread, sparing two thread "
+    "hand-offs (GIL released while it copies); 0 = every copy on the worker threads",
     "shutdown_grace": "seconds that SIGTERM/SIGINT lets in-flight calls finish",
     "stall_timeout": "seconds a copy may run before the server declares itself stalled",
     "default_deadline": "seconds a call that carries no gRPC deadline may take here: "
@@ -452,6 +461,7 @@ _TYPES: dict[str, Callable[[str], Any]] = {
     "store_bytes": _parse_size,
     "device": _choice("auto", "cpu", "cuda"),
     "transfer_threads": _positive_int,
+    "inline_copy_bytes": _size_or_off,
     "shutdown_grace": _positive_float,
     "stall_timeout": _positive_float,
     "default_deadline": _positive_float,

@@ -277,6 +277,7 @@ class Metrics:
         if remote is not None:
             r.register(_RemoteCollector(remote))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._transfer_children: dict[str, tuple[Any, Any]] = {}
 
     def observe_request(self, rpc: str, outcome: str, seconds: float) -> None:
         """Count one answered RPC (label children cached: this runs on every call)."""
@@ -292,8 +293,13 @@ class Metrics:
         self.auth_failures.labels(reason).inc()
 
     def observe_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
-        self.transfer_bytes.labels(direction).inc(nbytes)
-        self.transfer_seconds.labels(direction).observe(seconds)
+        """Count one copy (label children cached, as in observe_request)."""
+        pair = self._transfer_children.get(direction)
+        if pair is None:
+            pair = (self.transfer_bytes.labels(direction), self.transfer_seconds.labels(direction))
+            self._transfer_children[direction] = pair
+        pair[0].inc(nbytes)
+        pair[1].observe(seconds)
 
     def observe_lookup(self, hits: int, asked: int) -> None:
         self._lookup_hit.inc(hits)

@@ -450,6 +450,11 @@ class Mapping:
         return sum(isinstance(r, MemfdRegion) for rm in self.ranks for r in rm.regions.values())
 
     @functools.cached_property
+    def memfd_only(self) -> bool:
+        """Every region is a sealed memfd: copies are memcpy of memory that cannot shrink."""
+        return all(isinstance(r, MemfdRegion) for rm in self.ranks for r in rm.regions.values())
+
+    @functools.cached_property
     def is_cuda(self) -> bool:
         return any(isinstance(r, CudaRegion) for rm in self.ranks for r in rm.regions.values())
 

@@ -199,7 +199,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.remote = RemoteTier(config, self.store, self.loop) if config.remote != "off" else None
         if self.remote is not None:
             self.remote.start()
-        self.engine = TransferEngine(config.transfer_threads)
+        self.engine = TransferEngine(config.transfer_threads, config.inline_copy_bytes)
         self.engine.on_fatal = self.fatal_threadsafe
         self.mappings: dict[str, Mapping] = {}
         self._sessions: set[Callable[[], None]] = set()  # how each Session stops reading
@@ -551,9 +551,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return namespace, INLINE_LAYOUT, "", sides
 
     @rpc(pb.StoreResponse, transfer=True)
-    async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResult:
+    async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResponse:
         namespace, layout, mapping_id, sides = self._sides(request, "source", call)
-        failpoints.hit("store.put")
+        if failpoints.ENABLED:
+            failpoints.hit("store.put")
         present = 0
         wanted: dict[bytes, Side] = {}  # the first of equal keys wins
         for key, side in sides:
@@ -597,17 +598,19 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 for piece in side.pieces(self.store.buffer(chunk), ci, to_store=True)
             ]
             nbytes = sum(c.size for c, _ in todo)
-            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize)
+            loop_safe = all(side.loop_safe for _, side in todo)
+            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
         if evicted:
             log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
-        return pb.StoreResult(
-            stored_chunks=stored,
-            present_chunks=present + len(todo) - stored,
-            evicted_chunks=evicted,
-            stored_bytes=sum(c.size for c, _ in todo),
-            transfer_id=call.request_id,
-            server_start_id=self.start_id,
-        )
+        response = pb.StoreResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.stored_chunks = stored
+        result.present_chunks = present + len(todo) - stored
+        result.evicted_chunks = evicted
+        result.stored_bytes = sum(c.size for c, _ in todo)
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
+        return response
 
     async def _transfer(
         self,
@@ -617,8 +620,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         nbytes: int,
         pieces: list[Piece],
         finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
+        loop_safe: bool,
     ) -> list[list[Digest]]:
-        """Run the pieces of one copy on the transfer engine."""
+        """Run the pieces of one copy on the transfer engine (``loop_safe``: see
+        TransferEngine.run)."""
         call.started = True
         t0 = time.perf_counter()
         try:
@@ -629,6 +634,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 call.deadline,
                 tasks(pieces, nbytes, self.config.transfer_threads),
                 finalize,
+                loop_safe=loop_safe,
             )
         except KVServiceError as exc:
             if exc.transfer_state == NOT_STARTED:
@@ -638,7 +644,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         return result
 
     @rpc(pb.RetrieveResponse, transfer=True)
-    async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResult:
+    async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResponse:
         namespace, layout, mapping_id, sides = self._sides(request, "target", call)
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
@@ -656,8 +662,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         except BaseException:
             self.store.release(chunks)
             raise
+        response = pb.RetrieveResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
         if not chunks:
-            return pb.RetrieveResult(transfer_id=call.request_id, server_start_id=self.start_id)
+            return response
         pieces = [
             piece
             for ci, chunk in enumerate(chunks)
@@ -671,18 +681,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             nbytes,
             pieces,
             lambda results, error: self.store.release(chunks),
+            all(side.loop_safe for _, side in sides[: len(chunks)]),
         )
-        return pb.RetrieveResult(
-            loaded_chunks=len(chunks),
-            chunks=[
-                pb.InlineChunk(key=key, data=bytes(side.out))
-                for (key, side), _ in zip(sides, chunks, strict=False)
-                if isinstance(side, Inline)
-            ],
-            loaded_bytes=nbytes,
-            transfer_id=call.request_id,
-            server_start_id=self.start_id,
-        )
+        result.loaded_chunks = len(chunks)
+        result.loaded_bytes = nbytes
+        for (key, side), _ in zip(sides, chunks, strict=False):
+            if isinstance(side, Inline):
+                result.chunks.add(key=key, data=bytes(side.out))
+        return response
 
     @rpc(pb.LookupResponse)
     def Lookup(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
 import queue
 import threading
@@ -74,6 +75,17 @@ def reply_budget(deadline: float) -> float:
 _Item = tuple[concurrent.futures.Future[Any], Callable[[], Any], str]
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread its Python name in the OS too (15 bytes: what
+    ``top -H``, ``ps -L`` and /proc/PID/task/TID/comm show), so a copy thread's
+    CPU can be told apart from outside the process; a no-op where prctl is missing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 class WorkerDied(BaseException):
     """Set on a copy's future when its worker thread died under it."""
 
@@ -101,6 +113,7 @@ class _Workers:
 
     def _run(self) -> None:
         me = threading.current_thread().name
+        _name_os_thread(me)
         while (item := self._queue.get()) is not None:
             fut, fn, tid = item
             if not fut.set_running_or_notify_cancel():
@@ -136,7 +149,9 @@ class _Workers:
 
 
 class TransferEngine:
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, inline_max_bytes: int = 0) -> None:
+        #: loop-safe copies up to this size run on the event loop's thread (``run``)
+        self.inline_max_bytes = inline_max_bytes
         self.inflight: dict[str, Transfer] = {}
         self._completed: OrderedDict[str, None] = OrderedDict()
         self._barred: OrderedDict[str, None] = OrderedDict()
@@ -175,6 +190,8 @@ class TransferEngine:
         deadline: float | None,
         tasks: Sequence[Callable[[], T]],
         finalize: Callable[[list[T] | None, BaseException | None], None],
+        *,
+        loop_safe: bool = False,
     ) -> list[T]:
         """Run ``tasks`` (the pieces of one copy) in parallel on the workers.
 
@@ -183,12 +200,21 @@ class TransferEngine:
         ``finalize(results, error)`` runs exactly once on the event loop when every
         piece has ended (or the copy was refused), even if the caller's call was
         cancelled meanwhile: it is where the store commits or frees its memory.
+
+        ``loop_safe``: the tasks only copy memory that cannot shrink or block (a
+        sealed memfd, the message's bytes). Such a copy of at most
+        ``inline_max_bytes`` runs here, on the event loop's thread (the native loop
+        drops the GIL): two thread hand-offs cost more than the copy of a few MiB.
+        Failpoints simulate faults of copy threads, so with any loaded every copy
+        goes to them.
         """
         try:
             self._admit(transfer_id, deadline, nbytes)
         except BaseException as exc:
             finalize(None, exc)
             raise
+        if loop_safe and nbytes <= self.inline_max_bytes and not failpoints.ENABLED:
+            return self._run_inline(transfer_id, nbytes, tasks, finalize)
         loop = asyncio.get_running_loop()
         transfer = Transfer(
             transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
@@ -224,23 +250,11 @@ class TransferEngine:
                     if index == 0:
                         failpoints.hit("transfer.after_copy")
                     return result
-                except KVServiceError as exc:
-                    if exc.transfer_state != NOT_STARTED:
-                        exc.transfer_state = FINISHED
-                    if exc.fatal:  # e.g. DataLoss: nothing queued may start after it
-                        self.mark_failed(exc)
-                    raise
                 except Exception as exc:
-                    # The worker failed mid-copy: the copy has stopped, but the data
-                    # path is broken, so this instance must stop serving.
-                    fatal = FatalServerError(
-                        f"transfer worker failed: {type(exc).__name__}: {exc}",
-                        reason="TRANSFER_WORKER_FAILED",
-                        metadata={"transferId": transfer_id, "error": type(exc).__name__},
-                        transfer_state=FINISHED,
-                    )
-                    self.mark_failed(fatal)
-                    raise fatal from exc
+                    error = self._copy_failed(exc, transfer_id)
+                    if error is exc:
+                        raise
+                    raise error from exc
 
             return work
 
@@ -272,7 +286,9 @@ class TransferEngine:
         for f in futures:
             f.add_done_callback(piece_done)
         try:
-            await asyncio.shield(transfer.reply)
+            # Awaited directly (a shield costs two more loop turns per copy): only this
+            # call waits on ``reply``, and a cancel of it is read as "answered".
+            await transfer.reply
         except asyncio.CancelledError:
             # Pieces that have not started never will; started ones run to their
             # end, stay in `inflight` until then, and are finalized by `finished`.
@@ -287,6 +303,55 @@ class TransferEngine:
             raise error
         self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
         assert results is not None
+        return results
+
+    def _copy_failed(self, exc: Exception, transfer_id: str) -> KVServiceError:
+        """What a copy that raised ``exc`` after it started is answered with; a fatal
+        one is marked at once, from the thread that saw it."""
+        if isinstance(exc, KVServiceError):
+            if exc.transfer_state != NOT_STARTED:
+                exc.transfer_state = FINISHED
+            if exc.fatal:  # e.g. DataLoss: nothing queued may start after it
+                self.mark_failed(exc)
+            return exc
+        # The copy failed midway: it has stopped, but the data path is broken, so
+        # this instance must stop serving.
+        fatal = FatalServerError(
+            f"transfer worker failed: {type(exc).__name__}: {exc}",
+            reason="TRANSFER_WORKER_FAILED",
+            metadata={"transferId": transfer_id, "error": type(exc).__name__},
+            transfer_state=FINISHED,
+        )
+        self.mark_failed(fatal)
+        return fatal
+
+    def _run_inline(
+        self,
+        transfer_id: str,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> list[T]:
+        """``run`` of a small loop-safe copy, on this thread: no queue, no future, no
+        callback. Nothing on the loop runs while it copies, so nothing can see it
+        half done: it is remembered as completed (Fence answers FINISHED) and its
+        errors are those of a copy thread (a fatal one stops the server)."""
+        self._remember(self._completed, transfer_id)
+        started = time.monotonic()
+        try:
+            results = [task() for task in tasks]
+        except Exception as exc:
+            error = self._copy_failed(exc, transfer_id)
+            try:
+                finalize(None, error)
+            finally:
+                if error.fatal:
+                    self.on_fatal(error)
+            if error is exc:
+                raise
+            raise error from exc
+        finalize(results, None)
+        self.rate.observe(nbytes, time.monotonic() - started)
         return results
 
     def _collect(

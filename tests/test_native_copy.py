@@ -1,14 +1,20 @@
 """Store and Retrieve of multi-segment chunks over sealed memfds through a real
-server, with the native copy loop and with the Python loop it falls back to:
-the same bytes land, and a chunk that went bad in the store is DATA_LOSS."""
+server, with the native copy loop and with the Python loop it falls back to,
+copied on the event loop's thread and on the copy threads: the same bytes land,
+and a chunk that went bad in the store is DATA_LOSS."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvsvc import copies
 from kvsvc.client import KVCacheClient
+from kvsvc.config import ServerConfig
 from kvsvc.errors import DataLoss
 from kvsvc.kvcache import SharedKVCache, rank_context
 
@@ -40,7 +46,31 @@ def loop(request, monkeypatch) -> str:
     return str(request.param)
 
 
-def test_multi_segment_chunks_round_trip_bit_exact(loop, client: KVCacheClient) -> None:
+@pytest.fixture(params=["on the loop", "on copy threads"])
+def config(request, config: ServerConfig) -> ServerConfig:
+    """Every copy here inline (up to 64 MiB), or none."""
+    return replace(config, inline_copy_bytes=(64 << 20) if request.param == "on the loop" else 0)
+
+
+@pytest.fixture
+def copied_on(monkeypatch, server, config: ServerConfig) -> Iterator[set[str]]:
+    """Names of the threads that ran chunk copies; checked against the setting."""
+    names: set[str] = set()
+    run = copies._BlockCopy.run
+
+    def recording(self: copies._BlockCopy, a: int, b: int) -> list[copies.Digest]:
+        names.add(threading.current_thread().name)
+        return run(self, a, b)
+
+    monkeypatch.setattr(copies._BlockCopy, "run", recording)
+    yield names
+    if config.inline_copy_bytes:
+        assert names == {server.thread.name}
+    else:
+        assert names and all(n.startswith("kvsvc-copy-") for n in names)
+
+
+def test_multi_segment_chunks_round_trip_bit_exact(loop, copied_on, client: KVCacheClient) -> None:
     src, dst = big_cache("src", seed=1), big_cache("dst", seed=None)
     try:
         m_src = client.map(
@@ -62,7 +92,9 @@ def test_multi_segment_chunks_round_trip_bit_exact(loop, client: KVCacheClient) 
         dst.close()
 
 
-def test_a_chunk_corrupted_in_the_store_is_data_loss(loop, server, client: KVCacheClient) -> None:
+def test_a_chunk_corrupted_in_the_store_is_data_loss(
+    loop, copied_on, server, client: KVCacheClient
+) -> None:
     src, dst = big_cache("src", seed=2), big_cache("dst", seed=None)
     try:
         m_src = client.map(

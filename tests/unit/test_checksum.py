@@ -9,15 +9,19 @@ import ctypes
 import itertools
 import os
 import threading
+from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 
 from kvsvc import copies
 
 # Lengths around every boundary of the native loop: 8-byte words, the three
-# interleaved 256-byte and 8 KiB streams, a segment.
+# interleaved 256-byte and 8 KiB streams, folding (from 1 KiB: 256-byte rounds,
+# then 64- and 16-byte steps, then bytes), a segment.
 LENGTHS = [0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 5]
+LENGTHS += [1023, 1024, 1025, 1024 + 63, 1024 + 64, 1024 + 79, 1024 + 80, 1024 + 255, 1280 + 15]
 LENGTHS += [copies.SEGMENT_BYTES, copies.SEGMENT_BYTES + 13, 3_000_001]
 
 
@@ -39,7 +43,21 @@ def test_native_crc32c_equals_the_package(native: copies.NativeCopy, offset: int
         part = data[offset : offset + n]
         want = copies.checksum(part)
         assert native.crc32c(0, part, n) == want, n
+        assert native.crc32c_nofold(0, part, n) == want, n
         assert native.crc32c_tables(0, part, n) == want, n
+        # a running CRC (the state is carried into the folding's first bytes)
+        assert native.crc32c(want, part, n) == int(crc32c.crc32c(part, want)), n
+
+
+def test_the_native_crc_runs_on_the_fastest_path_this_cpu_has(native: copies.NativeCopy) -> None:
+    """Folding is used where the CPU has it (it is checked against the crc32
+    instruction at load time, so a wrong constant would show here as level 1)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    flags = cpuinfo.split("\nflags")[1].split("\n")[0].split()
+    want = 0
+    if "sse4_2" in flags:
+        want = 2 if {"avx512f", "vpclmulqdq", "pclmulqdq"} <= set(flags) else 1
+    assert native.level == want
 
 
 def test_a_native_copy_and_the_python_loop_agree(native: copies.NativeCopy) -> None:
