@@ -71,6 +71,8 @@ MAP_RETRY_S = 0.02
 #: A SessionRequest's kind -> the RPC whose wrapper and handler serve it.
 #: How long after a Session request's deadline the server stops waiting for it.
 SESSION_GRACE_S = 1.0
+#: A Session's reader hands the loop to other calls after this many requests of a batch.
+SESSION_BATCH_TURN = 64
 SESSION_RPCS = {"lookup": "Lookup", "store": "Store", "retrieve": "Retrieve", "fence": "Fence"}
 
 
@@ -814,7 +816,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     return
                 finally:
                     waiting[0] = False
-                for request in _unbatched(message):
+                for i, request in enumerate(_unbatched(message), 1):
                     done, value, ctx = eager(self._session_request(request, context))
                     if done:
                         outbox.append(value)
@@ -822,6 +824,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                         task = self.loop.create_task(answer(value), context=ctx)
                         pending.add(task)
                         task.add_done_callback(finished)
+                    if i % SESSION_BATCH_TURN == 0:  # a big batch lets other calls run
+                        await flush()
+                        await asyncio.sleep(0)
                 await flush()
                 if self._sessions_ending:
                     return
