@@ -99,15 +99,26 @@ def patch_server(out: str) -> None:
     server.tasks = staged_tasks  # type: ignore[assignment]
     session = servicer.Session
 
-    async def staged_session(self: Any, requests: Any, context: Any) -> Any:
+    class StagedContext:
+        """The stream's context, its writes stamped (the Session answers by write)."""
+
+        def __init__(self, context: Any) -> None:
+            self._context = context
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._context, name)
+
+        async def write(self, message: Any) -> None:
+            stamp("server: Session writes the answer")
+            await self._context.write(message)
+
+    async def staged_session(self: Any, requests: Any, context: Any) -> None:
         async def read() -> Any:
             async for r in requests:
                 stamp("server: Session reads the request")
                 yield r
 
-        async for response in session(self, read(), context):
-            stamp("server: Session yields the answer")
-            yield response
+        await session(self, read(), StagedContext(context))
 
     servicer.Session = staged_session  # type: ignore[method-assign]
 
