@@ -631,15 +631,22 @@ class RemoteTier:
             self.loop.call_soon_threadsafe(self.store.release, chunks)
 
     # --- reads ---
+    def _turned_away(self, busy: int) -> bool:
+        """Refused (and counted) before it takes a thread or task: the name does not
+        resolve, the breaker is open, or ``busy`` exchanges already wait on Redis."""
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
+            return True
+        if busy >= REMOTE_FETCHERS:
+            self._count(self.errors, BUSY)
+            return True
+        return False
+
     def _submit(self, fn: Callable[[Any], Any]) -> asyncio.Future[Any] | None:
         """Run an exchange on a reader thread; None (busy, counted) when every reader
         is still waiting on Redis, so a stuck Redis never queues up requests."""
-        resolved = self.resolver.usable()
-        if not resolved or self.breaker.blocked():  # no thread for a call that is refused
-            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
-            return None
-        if self._fetching >= REMOTE_FETCHERS:
-            self._count(self.errors, BUSY)
+        if self._turned_away(self._fetching):
             return None
 
         def run() -> Any:
@@ -686,12 +693,7 @@ class RemoteTier:
         is a task bounded by --remote-timeout; past the budget the caller goes on
         and the task ends by itself (its outcome still feeds the breaker), so a
         cut-off read never leaves a connection mid-reply."""
-        resolved = self.resolver.usable()
-        if not resolved or self.breaker.blocked():  # no task for a call that is refused
-            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
-            return None
-        if self._asking >= REMOTE_FETCHERS:
-            self._count(self.errors, BUSY)
+        if self._turned_away(self._asking):
             return None
         self._asking += 1
         task = self.loop.create_task(self._acall(rkeys))
