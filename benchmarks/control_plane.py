@@ -475,12 +475,16 @@ def run(
 
     try:
         # TCP on 127.0.0.1: kvsvc, the grpc echo, the zmq echo
-        kv = KvsvcServer(store_bytes="64M", shm_dir=str(tmp))
-        echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "grpc", "--listen",
-                           "127.0.0.1:0", "--reply-bytes", str(reply_bytes)])  # fmt: skip
-        zmq_echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "zmq", "--listen",
+        with contextlib.ExitStack() as started:  # all stopped, even if one fails to start
+            kv = KvsvcServer(store_bytes="64M", shm_dir=str(tmp))
+            started.callback(kv.stop)
+            echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "grpc", "--listen",
                                "127.0.0.1:0", "--reply-bytes", str(reply_bytes)])  # fmt: skip
-        try:
+            started.callback(echo.stop)
+            zmq_echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "zmq",
+                                   "--listen", "127.0.0.1:0", "--reply-bytes",
+                                   str(reply_bytes)])  # fmt: skip
+            started.callback(zmq_echo.stop)
             with KVCacheClient(kv.address) as c:
                 c.put(NAMESPACE, [(k, b"v" * 64) for k in KEYS])
             k_async, s_async, *k_rest = kvsvc_targets(kv.address, "tcp")
@@ -489,10 +493,6 @@ def run(
                     BIDI: echo.proc.pid, "zmq + msgpack echo": zmq_echo.proc.pid}  # fmt: skip
             measure_group([k_async, s_async, e_aio, e_bidi, *k_rest, e_sync,
                            zmq_target(zmq_echo.address)], pids)  # fmt: skip
-        finally:
-            kv.stop()
-            echo.stop()
-            zmq_echo.stop()
         # unix sockets
         kv = KvsvcServer(store_bytes="64M", shm_dir=str(tmp), listen=f"unix:{tmp}/kvsvc.sock")
         echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "grpc", "--listen",
