@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,9 +21,22 @@ from kvsvc.errors import InvalidRequest, PermissionDenied
 from tests.conftest import REPO, make_cache
 
 NOBODY = 65534
+
+
+def _others_can_enter(path: Path) -> bool:
+    """Whether another uid can reach ``path``: every directory on the way lets others
+    in (a checkout under a 0700 ``mktemp -d`` does not, and nobody cannot import
+    kvsvc from it)."""
+    return all(p.stat().st_mode & stat.S_IXOTH for p in (path, *path.parents))
+
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None,
     reason="running a client as another uid needs root and setpriv",
+)
+needs_a_checkout_others_can_read = pytest.mark.skipif(
+    not _others_can_enter(REPO),
+    reason=f"uid {NOBODY} cannot enter the checkout at {REPO} (a 0700 directory on its path)",
 )
 
 
@@ -141,6 +155,7 @@ def as_nobody(address: str, shm_dir: Path, secret: str) -> dict[str, object]:
 
 
 @needs_root
+@needs_a_checkout_others_can_read
 def test_a_client_of_another_uid_cannot_have_the_server_map_a_file_it_cannot_open(
     make_server, shared_shm
 ):
@@ -158,6 +173,7 @@ def test_a_client_of_another_uid_cannot_have_the_server_map_a_file_it_cannot_ope
 
 
 @needs_root
+@needs_a_checkout_others_can_read
 def test_by_default_only_the_server_uids_files_are_mapped(make_server, shared_shm):
     """Default --shm-uids self: another uid's file (its own 0600 file) is refused."""
     (shared_shm / "root-secret").write_bytes(b"\0" * 4096)
