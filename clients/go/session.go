@@ -11,8 +11,9 @@ package kvsvc
 // started on the server, so a transfer's break, deadline or cancellation is
 // TransferUnprovable exactly as on a unary call whose stream was opened; one
 // that was never written (the stream had not opened yet) provably did not
-// start. A server without the Session RPC answers UNIMPLEMENTED before
-// anything is written; the client then sends the same requests as unary calls.
+// start. A server without the Session RPC answers UNIMPLEMENTED: nothing ran
+// there (grpc may send empty headers first, so a request can have been
+// written), and the client sends the same requests again as unary calls.
 
 import (
 	"context"
@@ -76,8 +77,8 @@ func (s *session) run(ctx context.Context, kv pb.KVCacheServiceClient) {
 		return
 	}
 	// Nothing is written before the server's initial metadata (a kvsvc server
-	// sends it first): a server without the RPC then answers UNIMPLEMENTED
-	// before any request left, and a refused stream carries none either.
+	// sends it first), so a refused stream usually carries none; one written
+	// before an UNIMPLEMENTED did not run and goes again as a unary call.
 	md, err := stream.Header()
 	if err == nil && md != nil {
 		s.mu.Lock()
@@ -173,6 +174,13 @@ func (s *session) fail(err error) {
 	close(s.broken)
 	s.mu.Unlock()
 	s.cancel()
+}
+
+// failureErr is what ended the session (nil while it is open).
+func (s *session) failureErr() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.failure
 }
 
 func (s *session) failed() bool {

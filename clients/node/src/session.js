@@ -10,8 +10,9 @@
 // transfer's break, deadline or abort is TransferUnprovable exactly as on a unary
 // call; one never written (the stream had not opened yet) provably did not start.
 // Nothing is written before the server's initial metadata (a kvsvc server sends
-// it first), so a server without the RPC answers UNIMPLEMENTED before any request
-// left; the client then sends the same requests as unary calls.
+// it first). A server without the RPC answers UNIMPLEMENTED: nothing ran there
+// (grpc may send empty headers first, so a request can have been written), and
+// the client sends the same requests again as unary calls.
 
 const grpc = require('@grpc/grpc-js');
 
