@@ -199,12 +199,16 @@ class KVCacheClient(Core):
         self._rpcs = _rpcs(self._channel)
         self._session: SyncSession | None = None
         self._session_lock = threading.Lock()
+        # Where futures answered over the session complete: one thread, and one
+        # more whenever every one is blocked in a caller's callback.
+        self._callbacks = concurrent.futures.ThreadPoolExecutor(32, "kvsvc-callbacks")
 
     def close(self) -> None:
         with self._session_lock:
             self.use_session = False
             if self._session is not None:
                 self._session.close()
+        self._callbacks.shutdown(wait=False)  # what is queued still runs
         self._close_fd_leases()
         self._channel.close()
 
@@ -358,13 +362,22 @@ class KVCacheClient(Core):
                 return
             call.add_done_callback(lambda f: done(f.result))
 
-        def answered(response: Any, error: BaseException | None) -> None:
+        def settle(response: Any, error: BaseException | None) -> None:
             if error is None:
                 done(lambda: response)
             elif self._unsupported(error):
                 unary()
             else:
                 done(functools.partial(_raise, error))
+
+        def answered(response: Any, error: BaseException | None) -> None:
+            # (the session's reader or timer thread) Settling completes the caller's
+            # future, whose callbacks may call this client and wait for an answer
+            # only the reader can deliver: they run on another thread.
+            try:
+                self._callbacks.submit(settle, response, error)
+            except RuntimeError:  # closed: its pending requests end here
+                settle(response, error)
 
         s = self._session_for(plan)
         if s is not None:

@@ -52,6 +52,28 @@ def test_calls_go_over_one_session_and_mean_what_they_mean_on_unary(client, shm_
         client.lookup([b"a"], mapping=type(m_src)(**{**m_src.__dict__, "mapping_id": "nope"}))
 
 
+def test_a_future_s_callback_can_call_the_client(server, shm_dir) -> None:
+    """Callbacks of futures answered over the session run off its reader thread:
+    a call made there (a blocking one, or another future's result) is answered,
+    not stuck until its deadline behind the callback that waits for it."""
+    src = make_cache(shm_dir, "cb", seed=3)
+    with KVCacheClient(server.address, control_timeout=5, transfer_timeout=5) as c:
+        m = c.map("ns", [src.rank_region()])
+        seen: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def then(_: object) -> None:
+            try:
+                hits = c.lookup([b"cb-a", b"cb-b"], mapping=m)
+                nested = c.store_async(m, [(b"cb-b", [2])]).result(30).stored_chunks
+                seen.set_result((hits, nested))
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                seen.set_result(exc)
+
+        c.store_async(m, [(b"cb-a", [1])]).add_done_callback(then)
+        assert seen.result(60) == (1, 1)
+        assert c._session is not None and c._session.failure is None
+
+
 def test_a_slow_request_does_not_hold_up_a_fast_one(spawn, shm_dir) -> None:
     srv = spawn(env={FP: "transfer.copy=sleep(3000)"})
     cache = make_cache(shm_dir, "slow", seed=2)
