@@ -126,8 +126,9 @@ REMOTE_BREAKER_OPEN_S = 2.0
 # beyond, a read is a miss at once) and that write to it.
 REMOTE_FETCHERS = 4
 REMOTE_WRITERS = 2
-# A writer sends up to this many bytes of queued chunks in one pipeline.
-REMOTE_WRITE_BATCH_BYTES = 64 * MiB
+# A writer sends up to this many bytes of queued chunks in one pipeline (its
+# staging buffer holds them: smaller batches let one writer copy while the other sends).
+REMOTE_WRITE_BATCH_BYTES = 16 * MiB
 # A Retrieve's GET replies are handed to the copy into the store in groups of
 # about this many bytes while the next replies are still being read.
 REMOTE_FETCH_GROUP_BYTES = 16 * MiB

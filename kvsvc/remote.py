@@ -153,26 +153,66 @@ def redis_keys(prefix: str, namespace: str, layout: str, keys: Sequence[bytes]) 
 
 
 def encode(
-    rkey: bytes, layout: str, data: memoryview, digests: Sequence[int], part_bytes: int
+    rkey: bytes,
+    layout: str,
+    data: memoryview,
+    digests: Sequence[int],
+    part_bytes: int,
+    stage: Staging | None = None,
+    addr: int = 0,
 ) -> list[tuple[bytes, Any]]:
-    """(Redis key, value) pairs of one chunk: header + first part, then the rest."""
+    """(Redis key, value) pairs of one chunk: header + first part, then the rest
+    (views of ``data``, sent as they are). With ``stage``: the first value is built
+    in it, its bytes copied from ``addr`` (where ``data`` starts)."""
     fp = layout.encode()
     n = len(data)
     first = max(0, part_bytes - _HEAD.size - len(fp) - 8 * len(digests))
     if first <= 0:
         raise ValueError("--remote-value-bytes is too small for the header")
     rest = [data[lo : lo + part_bytes] for lo in range(first, n, part_bytes)]
-    head = _HEAD.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        len(fp),
-        1 + len(rest),
-        checksum(rkey),
-        n,
-        len(digests),
+    head = b"".join(
+        (
+            _HEAD.pack(
+                MAGIC, FORMAT_VERSION, len(fp), 1 + len(rest), checksum(rkey), n, len(digests)
+            ),
+            fp,
+            struct.pack(f"<{len(digests)}Q", *digests),
+        )
     )
-    value = b"".join((head, fp, struct.pack(f"<{len(digests)}Q", *digests), data[:first]))
+    value: Any
+    if stage is None:
+        value = b"".join((head, data[:first]))
+    else:
+        value = stage.add(head, addr, min(first, n))
     return [(rkey, value)] + [(rkey + b":%d" % (i + 1), part) for i, part in enumerate(rest)]
+
+
+class Staging:
+    """A writer's buffer for the first value of each chunk (header + bytes), reused
+    batch after batch: no allocation and no page faults per value (a fresh bytes
+    object per value cost more than the copy itself), and the bytes are copied by
+    memmove without the GIL (ctypes releases it)."""
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.uint8)
+        self._used = 0
+
+    def reset(self, need: int) -> None:
+        """Room for ``need`` bytes; the views handed out before are dead from now."""
+        if len(self._array) < need:
+            self._array = np.empty(need, dtype=np.uint8)
+        self._used = 0
+
+    def add(self, head: bytes, addr: int, n: int) -> memoryview:
+        lo = self._used
+        hi = lo + len(head) + n
+        if hi > len(self._array):
+            raise ValueError("staging buffer too small (reset with the batch's size)")
+        view = self._array.data[lo:hi]
+        view[: len(head)] = head
+        ctypes.memmove(self._array.ctypes.data + lo + len(head), addr, n)
+        self._used = hi
+        return view
 
 
 @dataclass
@@ -247,6 +287,18 @@ def load_into(
                 pi, off = pi + 1, 0
         if checksum(dst[lo:hi]) != digest:
             raise Rejected(BAD_CHECKSUM)
+
+
+def value_connection_settings() -> dict[str, Any]:
+    """What connections that carry values change in redis-py's defaults (the
+    benchmark's like-for-like raw client uses them too): read REMOTE_SOCKET_READ_BYTES
+    at once, and pack commands with redis-py's Python packer, which sends a large
+    value as the buffer it is, where the hiredis packer (the default with hiredis)
+    copies every argument into one new bytes object, holding the GIL."""
+    return {
+        "socket_read_size": REMOTE_SOCKET_READ_BYTES,
+        "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+    }
 
 
 # --- the breaker ---
@@ -518,21 +570,20 @@ class RemoteTier:
         return scheme.replace("+cluster", "") + "://" + rest, settings
 
     def _make_client(self) -> Any:
-        """The sync client, which carries values: it reads a megabyte at a time, and
-        (standalone) sends a value as the buffer it is with redis-py's Python packer,
-        where the hiredis packer copies every argument into one new bytes object
-        (docs/benchmarks.md section 7)."""
+        """The sync client, which carries values: value_connection_settings
+        (docs/benchmarks.md section 7 measured them)."""
         url, settings = self._settings()
-        settings["socket_read_size"] = REMOTE_SOCKET_READ_BYTES
+        value_settings = value_connection_settings()
         no_retry = Retry(NoBackoff(), 0)
-        if self.cluster:
-            return RedisCluster.from_url(url, retry=no_retry, **settings)
+        if self.cluster:  # RedisCluster takes no packer (it drops unknown settings)
+            read = value_settings["socket_read_size"]
+            return RedisCluster.from_url(url, retry=no_retry, socket_read_size=read, **settings)
         pool = redis.BlockingConnectionPool.from_url(
             url,
             max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
             timeout=self.timeout,
             retry=no_retry,
-            command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+            **value_settings,
             **settings,
         )
         return redis.Redis(connection_pool=pool)
@@ -611,6 +662,7 @@ class RemoteTier:
             self._queue.put(_Write(namespace, chunk.key[1], layout, chunk))
 
     def _write_loop(self) -> None:
+        stage = Staging()
         while True:
             batch = [self._queue.get()]
             size = batch[0].chunk.size if batch[0] is not None else 0
@@ -623,7 +675,7 @@ class RemoteTier:
                 size += item.chunk.size if item is not None else 0
             writes = [w for w in batch if w is not None]
             try:
-                self._write(writes)
+                self._write(writes, stage)
             finally:
                 with self._queued_lock:
                     self.queued_bytes -= sum(w.chunk.size for w in writes)
@@ -631,15 +683,28 @@ class RemoteTier:
             if len(writes) < len(batch):
                 return
 
-    def _write(self, writes: list[_Write]) -> None:
+    def _write(self, writes: list[_Write], stage: Staging) -> None:
+        """One pipeline of SETs for a batch of chunks (their values built in ``stage``)."""
         if self._closed:
             self._add(dropped_writes=len(writes))
             return
+        # Each chunk's first value: header + bytes, at most part_bytes.
+        stage.reset(
+            sum(
+                min(
+                    self.part_bytes,
+                    _HEAD.size + len(w.layout.encode()) + 8 * len(w.chunk.digests) + w.chunk.size,
+                )
+                for w in writes
+            )
+        )
         pairs: list[tuple[bytes, Any]] = []
         for w in writes:
             buf = self.store.buffer(w.chunk)
             rkey = redis_key(self.prefix, w.namespace, w.layout, w.key)
-            pairs += encode(rkey, w.layout, buf.view, w.chunk.digests, self.part_bytes)
+            pairs += encode(
+                rkey, w.layout, buf.view, w.chunk.digests, self.part_bytes, stage, buf.addr
+            )
 
         def send(r: Any) -> None:
             pipe = r.pipeline(transaction=False)
