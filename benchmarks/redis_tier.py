@@ -156,15 +156,21 @@ def raw_round_async(port: int, data: bytes, n: int, tag: str) -> tuple[float, fl
 
 
 def tier_round(
-    rs: RedisServer, shm: str, chunk_mib: int, n: int, tag: str, behind: list[float]
+    rs: RedisServer,
+    shm: str,
+    chunk_mib: int,
+    n: int,
+    tag: str,
+    behind: list[float],
+    cwd: str | None = None,
 ) -> tuple[float, float]:
     """Seconds from Store to the last write acknowledged, and of the Retrieve on B;
     appends to ``behind`` the seconds from the Store's reply to the last write."""
     per_chunk = chunk_mib * MiB // (BLOCK_BYTES * LAYERS)
     blocks = per_chunk * n
     port, port_b = free_port(), free_port()
-    a = node(shm, rs.url, port)
-    b = node(shm, rs.url, port_b)
+    a = node(shm, rs.url, port, cwd)
+    b = node(shm, rs.url, port_b, cwd)
     src, dst = cache(shm, f"src-{tag}", blocks), cache(shm, f"dst-{tag}", blocks)
     try:
         src.buffer.random_(0, 256)
@@ -375,6 +381,7 @@ def main() -> int:
         ]
         rows: list[list[str]] = []
         like_rows: list[list[str]] = []
+        ab_rows: list[list[str]] = []
         client_rows: list[list[str]] = []
         for chunk_mib in () if args.lookups_only else (2, 32):
             n = args.total_mib // chunk_mib
@@ -382,8 +389,9 @@ def main() -> int:
             res: dict[str, list[float]] = {}
             loads = []
 
+            targets = ["raw", "tier", "like", "async"] + (["base"] if args.baseline_src else [])
             for rnd in range(args.rounds):  # each target once per round, order rotated
-                for target in rotated(["raw", "tier", "like", "async"], rnd):
+                for target in rotated(targets, rnd):
                     tag = f"{chunk_mib}-{rnd}"
                     if target == "raw":
                         s, g = raw_round(raw, data, n, tag)
@@ -393,8 +401,11 @@ def main() -> int:
                         s, g = raw_round_async(rs.port, data, n, tag)
                     else:
                         behind: list[float] = []
-                        s, g = tier_round(rs, shm, chunk_mib, n, f"c{chunk_mib}r{rnd}", behind)
-                        res.setdefault("tier behind", []).append(behind[0])
+                        cwd = args.baseline_src if target == "base" else None
+                        s, g = tier_round(
+                            rs, shm, chunk_mib, n, f"{target}{chunk_mib}r{rnd}", behind, cwd
+                        )
+                        res.setdefault(f"{target} behind", []).append(behind[0])
                     res.setdefault(f"{target} set", []).append(s)
                     res.setdefault(f"{target} get", []).append(g)
                     rs.cli("flushall")
@@ -406,6 +417,12 @@ def main() -> int:
             get_ratio = [r / t for r, t in zip(res["raw get"], res["tier get"], strict=True)]
             like_set = [r / t for r, t in zip(res["like set"], res["tier set"], strict=True)]
             like_get = [r / t for r, t in zip(res["like get"], res["tier get"], strict=True)]
+            if args.baseline_src:
+                ab_set = [b / t for b, t in zip(res["base set"], res["tier set"], strict=True)]
+                ab_get = [b / t for b, t in zip(res["base get"], res["tier get"], strict=True)]
+                ab_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['tier set']:.2f}",
+                                f"{gbs['base set']:.2f}", spread(ab_set), f"{gbs['tier get']:.2f}",
+                                f"{gbs['base get']:.2f}", spread(ab_get)])  # fmt: skip
             like_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['tier set']:.2f}",
                               f"{gbs['like set']:.2f}", spread(like_set), f"{gbs['tier get']:.2f}",
                               f"{gbs['like get']:.2f}", spread(like_get)])  # fmt: skip
@@ -428,6 +445,11 @@ def main() -> int:
             print(md_table(["chunks", "Store→Redis", "raw SET like the tier", "ratio",
                             "Retrieve←Redis", "raw GET like the tier", "ratio"],
                            like_rows))  # fmt: skip
+            if ab_rows:
+                print(f"\nThis checkout against --baseline-src {args.baseline_src} (its "
+                      "own nodes, the same rounds), GB/s; ratio: this / baseline:\n")  # fmt: skip
+                print(md_table(["chunks", "Store→Redis", "baseline", "ratio", "Retrieve←Redis",
+                                "baseline", "ratio"], ab_rows))  # fmt: skip
             print("\nThe client for the tier: redis-py pipelines, sync vs asyncio, GB/s:\n")
             print(md_table(["chunks", "sync SET", "asyncio SET", "sync GET", "asyncio GET"],
                            client_rows))  # fmt: skip

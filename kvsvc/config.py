@@ -132,8 +132,8 @@ REMOTE_WRITE_BATCH_BYTES = 16 * MiB
 # A Retrieve's GET replies are handed to the copy into the store in groups of
 # about this many bytes while the next replies are still being read.
 REMOTE_FETCH_GROUP_BYTES = 16 * MiB
-# Bytes the sync clients read from the socket at once (redis-py's default, 64 KiB,
-# cost one read, one parser feed and one GIL hand-off per 64 KiB of a value).
+# Bytes the sync clients (they carry values) read from the socket at once
+# (redis-py's default: 64 KiB, one read and one parser feed per 64 KiB of a value).
 REMOTE_SOCKET_READ_BYTES = 1 * MiB
 # --remote's host name is looked up again this often (a failed lookup: after
 # REMOTE_BREAKER_OPEN_S); Redis is called only while the last answer was good.
