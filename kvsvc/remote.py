@@ -3,11 +3,16 @@ or Redis Cluster), behind the local store and best-effort by design.
 
 - Writes are write-behind: a committed chunk is read-pinned and queued (bounded
   in bytes; a full queue drops the write and counts it, so a Store's reply never
-  waits for Redis); writer threads send it and unpin it on the event loop.
+  waits for Redis); writer threads build the values in a reused buffer, send
+  them (pipelined, redis-py's packer that does not copy them again) and unpin
+  the chunks on the event loop.
 - Reads are one pipelined round trip per request for the keys missing locally
   (EXISTS for Lookup within its budget, GET for Retrieve within the call's
   deadline); verified values are copied into the local store like a Store would
   reserve and commit them, so the copy into the engine's blocks is the usual one.
+  A Retrieve's replies go to that copy (native, without the GIL) in groups as
+  they are read, so copying one group overlaps reading the next; commits follow
+  key order and stop at the first value that fails (the prefix).
 - Lookup's EXISTS runs on the server's event loop (redis.asyncio): a hop to a
   thread and back cost more than the round trip itself. GETs and SETs of large
   values stay on threads (sync redis-py was faster for them, and parsing
