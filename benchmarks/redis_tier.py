@@ -34,13 +34,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import redis
 
 from benchmarks.common import REPO, KvsvcServer, machine_info, machine_line, md_table, pct
 from kvsvc.client import KVCacheClient
+from kvsvc.config import REMOTE_WRITERS
 from kvsvc.kvcache import SharedKVCache
+from kvsvc.remote import value_connection_settings
 
 sys.path.insert(0, str(REPO / "tests"))
 from redis_servers import RedisServer, free_port
@@ -92,6 +95,37 @@ def raw_round(r: redis.Redis, data: bytes, n: int, tag: str) -> tuple[float, flo
     return t_set, t_get
 
 
+def raw_round_like_tier(
+    writers: list[redis.Redis], data: bytes, n: int, tag: str
+) -> tuple[float, float]:
+    """raw_round shaped as the tier works: its connection settings
+    (kvsvc.remote.value_connection_settings), the SETs split over REMOTE_WRITERS
+    connections at once (its writer threads), the GETs one pipeline (one reader)."""
+    keys = [f"like:{tag}:{i}" for i in range(n)]
+    share = [keys[i :: len(writers)] for i in range(len(writers))]
+
+    def put(r: redis.Redis, ks: list[str]) -> None:
+        pipe = r.pipeline(transaction=False)
+        for k in ks:
+            pipe.set(k, data)
+        pipe.execute()
+
+    with ThreadPoolExecutor(len(writers)) as pool:
+        t0 = time.perf_counter()
+        for f in [pool.submit(put, r, ks) for r, ks in zip(writers, share, strict=True)]:
+            f.result()  # a failed SET fails the run
+        t_set = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pipe = writers[0].pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    got = pipe.execute()
+    t_get = time.perf_counter() - t0
+    assert len(got) == n and all(g is not None and len(g) == len(data) for g in got)
+    writers[0].delete(*keys)
+    return t_set, t_get
+
+
 def raw_round_async(port: int, data: bytes, n: int, tag: str) -> tuple[float, float]:
     """The same as raw_round with redis.asyncio (issue: the client chosen is measured)."""
     import asyncio
@@ -122,15 +156,21 @@ def raw_round_async(port: int, data: bytes, n: int, tag: str) -> tuple[float, fl
 
 
 def tier_round(
-    rs: RedisServer, shm: str, chunk_mib: int, n: int, tag: str, behind: list[float]
+    rs: RedisServer,
+    shm: str,
+    chunk_mib: int,
+    n: int,
+    tag: str,
+    behind: list[float],
+    cwd: str | None = None,
 ) -> tuple[float, float]:
     """Seconds from Store to the last write acknowledged, and of the Retrieve on B;
     appends to ``behind`` the seconds from the Store's reply to the last write."""
     per_chunk = chunk_mib * MiB // (BLOCK_BYTES * LAYERS)
     blocks = per_chunk * n
     port, port_b = free_port(), free_port()
-    a = node(shm, rs.url, port)
-    b = node(shm, rs.url, port_b)
+    a = node(shm, rs.url, port, cwd)
+    b = node(shm, rs.url, port_b, cwd)
     src, dst = cache(shm, f"src-{tag}", blocks), cache(shm, f"dst-{tag}", blocks)
     try:
         src.buffer.random_(0, 256)
@@ -331,7 +371,17 @@ def main() -> int:
     print(f"\nstart {time.strftime('%H:%M:%S', time.gmtime())} UTC, load {load()}")
     try:
         raw = redis.Redis(port=rs.port, socket_timeout=60)
+        like = [
+            redis.Redis(
+                connection_pool=redis.ConnectionPool(
+                    port=rs.port, socket_timeout=60, **value_connection_settings()
+                )
+            )
+            for _ in range(REMOTE_WRITERS)
+        ]
         rows: list[list[str]] = []
+        like_rows: list[list[str]] = []
+        ab_rows: list[list[str]] = []
         client_rows: list[list[str]] = []
         for chunk_mib in () if args.lookups_only else (2, 32):
             n = args.total_mib // chunk_mib
@@ -339,17 +389,23 @@ def main() -> int:
             res: dict[str, list[float]] = {}
             loads = []
 
+            targets = ["raw", "tier", "like", "async"] + (["base"] if args.baseline_src else [])
             for rnd in range(args.rounds):  # each target once per round, order rotated
-                for target in rotated(["raw", "tier", "async"], rnd):
+                for target in rotated(targets, rnd):
                     tag = f"{chunk_mib}-{rnd}"
                     if target == "raw":
                         s, g = raw_round(raw, data, n, tag)
+                    elif target == "like":
+                        s, g = raw_round_like_tier(like, data, n, tag)
                     elif target == "async":
                         s, g = raw_round_async(rs.port, data, n, tag)
                     else:
                         behind: list[float] = []
-                        s, g = tier_round(rs, shm, chunk_mib, n, f"c{chunk_mib}r{rnd}", behind)
-                        res.setdefault("tier behind", []).append(behind[0])
+                        cwd = args.baseline_src if target == "base" else None
+                        s, g = tier_round(
+                            rs, shm, chunk_mib, n, f"{target}{chunk_mib}r{rnd}", behind, cwd
+                        )
+                        res.setdefault(f"{target} behind", []).append(behind[0])
                     res.setdefault(f"{target} set", []).append(s)
                     res.setdefault(f"{target} get", []).append(g)
                     rs.cli("flushall")
@@ -359,6 +415,21 @@ def main() -> int:
             # tier time / raw time of the same round: raw/tier throughput
             set_ratio = [r / t for r, t in zip(res["raw set"], res["tier set"], strict=True)]
             get_ratio = [r / t for r, t in zip(res["raw get"], res["tier get"], strict=True)]
+            like_set = [r / t for r, t in zip(res["like set"], res["tier set"], strict=True)]
+            like_get = [r / t for r, t in zip(res["like get"], res["tier get"], strict=True)]
+            if args.baseline_src:
+                ab_set = [b / t for b, t in zip(res["base set"], res["tier set"], strict=True)]
+                ab_get = [b / t for b, t in zip(res["base get"], res["tier get"], strict=True)]
+                ab_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['tier set']:.2f}",
+                                f"{gbs['base set']:.2f}", spread(ab_set), f"{gbs['tier get']:.2f}",
+                                f"{gbs['base get']:.2f}", spread(ab_get)])  # fmt: skip
+            # The write-behind alone (Store reply -> last value in Redis) against the same.
+            like_behind = [r / t for r, t in zip(res["like set"], res["tier behind"], strict=True)]
+            like_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['tier set']:.2f}",
+                              f"{gbs['like set']:.2f}", spread(like_set),
+                              f"{gbs['tier behind']:.2f}", spread(like_behind),
+                              f"{gbs['tier get']:.2f}", f"{gbs['like get']:.2f}",
+                              spread(like_get)])  # fmt: skip
             client_rows.append([f"{chunk_mib} MiB x {n}", f"{gbs['raw set']:.2f}",
                                 f"{gbs['async set']:.2f}", f"{gbs['raw get']:.2f}",
                                 f"{gbs['async get']:.2f}"])  # fmt: skip
@@ -372,6 +443,17 @@ def main() -> int:
             print(md_table(["chunks", "load1", "Store→Redis", "raw pipelined SET", "ratio",
                             "after the reply", "Retrieve←Redis", "raw pipelined GET", "ratio"],
                            rows))  # fmt: skip
+            print(f"\nThe same against raw redis-py with the tier's connection settings "
+                  f"(Python packer, {value_connection_settings()['socket_read_size'] >> 10} KiB "
+                  f"reads; SETs over {REMOTE_WRITERS} connections at once), GB/s:\n")  # fmt: skip
+            print(md_table(["chunks", "Store→Redis", "raw SET like the tier", "ratio",
+                            "after the reply", "ratio", "Retrieve←Redis",
+                            "raw GET like the tier", "ratio"], like_rows))  # fmt: skip
+            if ab_rows:
+                print(f"\nThis checkout against --baseline-src {args.baseline_src} (its "
+                      "own nodes, the same rounds), GB/s; ratio: this / baseline:\n")  # fmt: skip
+                print(md_table(["chunks", "Store→Redis", "baseline", "ratio", "Retrieve←Redis",
+                                "baseline", "ratio"], ab_rows))  # fmt: skip
             print("\nThe client for the tier: redis-py pipelines, sync vs asyncio, GB/s:\n")
             print(md_table(["chunks", "sync SET", "asyncio SET", "sync GET", "asyncio GET"],
                            client_rows))  # fmt: skip
@@ -385,6 +467,8 @@ def main() -> int:
         print(md_table(["round", "load1", "on (Redis) - off", *base, "raw EXISTS",
                         "ratio"], cost))  # fmt: skip
         raw.close()
+        for r in like:
+            r.close()
     finally:
         rs.kill()
         shutil.rmtree(shm, ignore_errors=True)

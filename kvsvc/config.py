@@ -126,8 +126,15 @@ REMOTE_BREAKER_OPEN_S = 2.0
 # beyond, a read is a miss at once) and that write to it.
 REMOTE_FETCHERS = 4
 REMOTE_WRITERS = 2
-# A writer sends up to this many bytes of queued chunks in one pipeline.
-REMOTE_WRITE_BATCH_BYTES = 64 * MiB
+# A writer sends up to this many bytes of queued chunks in one pipeline (its
+# staging buffer holds them: smaller batches let one writer copy while the other sends).
+REMOTE_WRITE_BATCH_BYTES = 16 * MiB
+# A Retrieve's GET replies are handed to the copy into the store in groups of
+# about this many bytes while the next replies are still being read.
+REMOTE_FETCH_GROUP_BYTES = 16 * MiB
+# Bytes the sync clients (they carry values) read from the socket at once
+# (redis-py's default: 64 KiB, one read and one parser feed per 64 KiB of a value).
+REMOTE_SOCKET_READ_BYTES = 1 * MiB
 # --remote's host name is looked up again this often (a failed lookup: after
 # REMOTE_BREAKER_OPEN_S); Redis is called only while the last answer was good.
 REMOTE_DNS_REFRESH_S = 30.0

@@ -3,11 +3,16 @@ or Redis Cluster), behind the local store and best-effort by design.
 
 - Writes are write-behind: a committed chunk is read-pinned and queued (bounded
   in bytes; a full queue drops the write and counts it, so a Store's reply never
-  waits for Redis); writer threads send it and unpin it on the event loop.
+  waits for Redis); writer threads build the values in a reused buffer, send
+  them (pipelined, redis-py's packer that does not copy them again) and unpin
+  the chunks on the event loop.
 - Reads are one pipelined round trip per request for the keys missing locally
   (EXISTS for Lookup within its budget, GET for Retrieve within the call's
   deadline); verified values are copied into the local store like a Store would
   reserve and commit them, so the copy into the engine's blocks is the usual one.
+  A Retrieve's replies go to that copy (native, without the GIL) in groups as
+  they are read, so copying one group overlaps reading the next; commits follow
+  key order and stop at the first value that fails (the prefix).
 - Lookup's EXISTS runs on the server's event loop (redis.asyncio): a hop to a
   thread and back cost more than the round trip itself. GETs and SETs of large
   values stay on threads (sync redis-py was faster for them, and parsing
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import ipaddress
 import logging
 import math
@@ -43,20 +49,24 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import redis
 import redis.asyncio as aredis
 import redis.exceptions as rx
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from kvsvc import failpoints
+from kvsvc import copies, failpoints
 from kvsvc.config import (
     REMOTE_BREAKER_FAILURES,
     REMOTE_BREAKER_OPEN_S,
     REMOTE_DNS_REFRESH_S,
+    REMOTE_FETCH_GROUP_BYTES,
     REMOTE_FETCHERS,
+    REMOTE_SOCKET_READ_BYTES,
     REMOTE_WRITE_BATCH_BYTES,
     REMOTE_WRITERS,
     ConfigError,
@@ -148,26 +158,66 @@ def redis_keys(prefix: str, namespace: str, layout: str, keys: Sequence[bytes]) 
 
 
 def encode(
-    rkey: bytes, layout: str, data: memoryview, digests: Sequence[int], part_bytes: int
+    rkey: bytes,
+    layout: str,
+    data: memoryview,
+    digests: Sequence[int],
+    part_bytes: int,
+    stage: Staging | None = None,
+    addr: int = 0,
 ) -> list[tuple[bytes, Any]]:
-    """(Redis key, value) pairs of one chunk: header + first part, then the rest."""
+    """(Redis key, value) pairs of one chunk: header + first part, then the rest
+    (views of ``data``, sent as they are). With ``stage``: the first value is built
+    in it, its bytes copied from ``addr`` (where ``data`` starts)."""
     fp = layout.encode()
     n = len(data)
     first = max(0, part_bytes - _HEAD.size - len(fp) - 8 * len(digests))
     if first <= 0:
         raise ValueError("--remote-value-bytes is too small for the header")
     rest = [data[lo : lo + part_bytes] for lo in range(first, n, part_bytes)]
-    head = _HEAD.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        len(fp),
-        1 + len(rest),
-        checksum(rkey),
-        n,
-        len(digests),
+    head = b"".join(
+        (
+            _HEAD.pack(
+                MAGIC, FORMAT_VERSION, len(fp), 1 + len(rest), checksum(rkey), n, len(digests)
+            ),
+            fp,
+            struct.pack(f"<{len(digests)}Q", *digests),
+        )
     )
-    value = b"".join((head, fp, struct.pack(f"<{len(digests)}Q", *digests), data[:first]))
+    value: Any
+    if stage is None:
+        value = b"".join((head, data[:first]))
+    else:
+        value = stage.add(head, addr, min(first, n))
     return [(rkey, value)] + [(rkey + b":%d" % (i + 1), part) for i, part in enumerate(rest)]
+
+
+class Staging:
+    """A writer's buffer for the first value of each chunk (header + bytes), reused
+    batch after batch: no allocation and no page faults per value (a fresh bytes
+    object per value cost more than the copy itself), and the bytes are copied by
+    memmove without the GIL (ctypes releases it)."""
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.uint8)
+        self._used = 0
+
+    def reset(self, need: int) -> None:
+        """Room for ``need`` bytes; the views handed out before are dead from now."""
+        if len(self._array) < need:
+            self._array = np.empty(need, dtype=np.uint8)
+        self._used = 0
+
+    def add(self, head: bytes, addr: int, n: int) -> memoryview:
+        lo = self._used
+        hi = lo + len(head) + n
+        if hi > len(self._array):
+            raise ValueError("staging buffer too small (reset with the batch's size)")
+        view = self._array.data[lo:hi]
+        view[: len(head)] = head
+        ctypes.memmove(self._array.ctypes.data + lo + len(head), addr, n)
+        self._used = hi
+        return view
 
 
 @dataclass
@@ -206,12 +256,29 @@ def parse_head(rkey: bytes, layout: str, raw: bytes) -> tuple[int, list[int], me
     return parts, digests, memoryview(raw)[pos + 8 * nseg :], n
 
 
-def load_into(dst: memoryview, parts: list[memoryview], digests: list[int]) -> None:
-    """Copy a value's parts into ``dst`` one store segment at a time, hashing each
-    segment right after its copy (still in cache: one pass over the bytes, as the
-    copy path does); Rejected at the first mismatch (``dst`` is then garbage)."""
+def load_into(
+    dst: memoryview, parts: list[memoryview], digests: list[int], addr: int | None = None
+) -> None:
+    """Copy a value's parts into ``dst`` (at address ``addr``) one store segment at
+    a time, hashing each segment right after its copy (still in cache: one pass
+    over the bytes, as the copy path does); Rejected if any does not match (``dst``
+    is then garbage). With ``addr`` and the native copy loop: one call without
+    the GIL, so a reader thread reads the next replies meanwhile."""
     if sum(len(p) for p in parts) != len(dst):
         raise Rejected(BAD_HEADER)
+    native = copies.NATIVE
+    if native is not None and addr is not None:
+        rows, pos = [], 0
+        for part in parts:
+            if len(part):
+                rows.append((np.frombuffer(part, dtype=np.uint8).ctypes.data, pos, len(part)))
+                pos += len(part)
+        runs = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+        got = (ctypes.c_uint32 * len(digests))()
+        native.copy(runs, addr, 0, len(dst), got, to_store=True)
+        if list(got) != digests:
+            raise Rejected(BAD_CHECKSUM)
+        return
     pi, off = 0, 0  # where in the parts the next byte comes from
     for (lo, hi), digest in zip(segments(len(dst)), digests, strict=True):
         pos = lo
@@ -225,6 +292,18 @@ def load_into(dst: memoryview, parts: list[memoryview], digests: list[int]) -> N
                 pi, off = pi + 1, 0
         if checksum(dst[lo:hi]) != digest:
             raise Rejected(BAD_CHECKSUM)
+
+
+def value_connection_settings() -> dict[str, Any]:
+    """What connections that carry values change in redis-py's defaults (the
+    benchmark's like-for-like raw client uses them too): read REMOTE_SOCKET_READ_BYTES
+    at once, and pack commands with redis-py's Python packer, which sends a large
+    value as the buffer it is, where the hiredis packer (the default with hiredis)
+    copies every argument into one new bytes object, holding the GIL."""
+    return {
+        "socket_read_size": REMOTE_SOCKET_READ_BYTES,
+        "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+    }
 
 
 # --- the breaker ---
@@ -496,15 +575,20 @@ class RemoteTier:
         return scheme.replace("+cluster", "") + "://" + rest, settings
 
     def _make_client(self) -> Any:
+        """The sync client, which carries values: value_connection_settings
+        (docs/benchmarks.md section 7 measured them)."""
         url, settings = self._settings()
+        value_settings = value_connection_settings()
         no_retry = Retry(NoBackoff(), 0)
-        if self.cluster:
-            return RedisCluster.from_url(url, retry=no_retry, **settings)
+        if self.cluster:  # RedisCluster takes no packer (it drops unknown settings)
+            read = value_settings["socket_read_size"]
+            return RedisCluster.from_url(url, retry=no_retry, socket_read_size=read, **settings)
         pool = redis.BlockingConnectionPool.from_url(
             url,
             max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
             timeout=self.timeout,
             retry=no_retry,
+            **value_settings,
             **settings,
         )
         return redis.Redis(connection_pool=pool)
@@ -583,6 +667,7 @@ class RemoteTier:
             self._queue.put(_Write(namespace, chunk.key[1], layout, chunk))
 
     def _write_loop(self) -> None:
+        stage = Staging()
         while True:
             batch = [self._queue.get()]
             size = batch[0].chunk.size if batch[0] is not None else 0
@@ -595,7 +680,7 @@ class RemoteTier:
                 size += item.chunk.size if item is not None else 0
             writes = [w for w in batch if w is not None]
             try:
-                self._write(writes)
+                self._write(writes, stage)
             finally:
                 with self._queued_lock:
                     self.queued_bytes -= sum(w.chunk.size for w in writes)
@@ -603,15 +688,28 @@ class RemoteTier:
             if len(writes) < len(batch):
                 return
 
-    def _write(self, writes: list[_Write]) -> None:
+    def _write(self, writes: list[_Write], stage: Staging) -> None:
+        """One pipeline of SETs for a batch of chunks (their values built in ``stage``)."""
         if self._closed:
             self._add(dropped_writes=len(writes))
             return
+        # Each chunk's first value: header + bytes, at most part_bytes.
+        stage.reset(
+            sum(
+                min(
+                    self.part_bytes,
+                    _HEAD.size + len(w.layout.encode()) + 8 * len(w.chunk.digests) + w.chunk.size,
+                )
+                for w in writes
+            )
+        )
         pairs: list[tuple[bytes, Any]] = []
         for w in writes:
             buf = self.store.buffer(w.chunk)
             rkey = redis_key(self.prefix, w.namespace, w.layout, w.key)
-            pairs += encode(rkey, w.layout, buf.view, w.chunk.digests, self.part_bytes)
+            pairs += encode(
+                rkey, w.layout, buf.view, w.chunk.digests, self.part_bytes, stage, buf.addr
+            )
 
         def send(r: Any) -> None:
             pipe = r.pipeline(transaction=False)
@@ -664,21 +762,6 @@ class RemoteTier:
 
     def _done_fetching(self) -> None:
         self._fetching -= 1
-
-    async def _exchange(self, fn: Callable[[Any], Any], budget: float) -> Any:
-        """The result of one exchange, or None: skipped, failed or over budget (the
-        thread then ends at its socket timeout; its result is dropped)."""
-        fut = self._submit(fn)
-        if fut is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(budget, 0.0))
-        except asyncio.TimeoutError:
-            self._count(self.errors, "budget")
-            fut.add_done_callback(_consume)
-            return None
-        except _Skipped:
-            return None
 
     async def present(self, namespace: str, layout: str, keys: list[bytes]) -> list[bool]:
         """Whether Redis holds each of ``keys`` (Lookup; values are verified when
@@ -780,83 +863,124 @@ class RemoteTier:
         """Bring ``keys`` missing from the local store, verified, from Redis into it up
         to the first miss (reserved as a Store reserves; a refused reservation is a
         miss). Returns how many were loaded. One pipelined GET round trip (and one
-        more for the parts of values split above --remote-value-bytes)."""
+        more for the parts of values split above --remote-value-bytes); the replies
+        are copied in by groups of about REMOTE_FETCH_GROUP_BYTES as they arrive, so
+        the copy of one group overlaps the reading of the next."""
         keys = [k for k in keys if self.store.get(namespace, k, layout) is None]
         if not keys:
             return 0
         started = time.monotonic()
         rkeys = redis_keys(self.prefix, namespace, layout, keys)
-        values = await self._exchange(lambda r: self._get_values(r, rkeys, layout), budget)
-        if not values:
+        run = _Fetch(self, namespace, layout, keys)
+        fut = self._submit(lambda r: self._stream(r, rkeys, layout, run.deliver, run.stop))
+        if fut is None:
             self.misses += len(keys)
             return 0
-        # Chunks another call committed meanwhile are kept: only the rest is loaded.
-        todo = [
-            i
-            for i, k in enumerate(keys[: len(values)])
-            if self.store.get(namespace, k, layout) is None
-        ]
-        good = len(values)
-        if todo:
-            try:
-                chunks, _ = self.store.reserve(
-                    namespace, [(keys[i], values[i].size) for i in todo], layout
-                )
-            except CapacityExhausted as exc:  # no room now: a miss
-                self._count(self.errors, "capacity")
-                _warn.warning("remote tier: no room in the local store for fetched chunks: %s", exc)
-                self.misses += len(keys)
-                return 0
-            pairs = [(c, values[i]) for c, i in zip(chunks, todo, strict=True)]
-            # Not on the reader threads: they may all be waiting on a slow Redis.
-            copy = self.loop.run_in_executor(None, self._copy_in, pairs)
-
-            def finish(f: asyncio.Future[list[bool]]) -> None:
-                # On the loop, even if the caller has gone: commit or free every chunk.
-                done = f.result() if not f.cancelled() and f.exception() is None else []
-                for j, (chunk, value) in enumerate(pairs):
-                    if j < len(done) and done[j]:
-                        self.store.commit(chunk, value.digests)
-                    else:
-                        self.store.abort(chunk)
-
-            copy.add_done_callback(finish)
-            try:
-                loaded = await asyncio.shield(copy)
-            except Exception as exc:  # a failed copy-in is a miss
-                log.error("remote tier: copying fetched chunks in failed", exc_info=exc)
-                self.misses += len(keys)
-                return 0
-            if not all(loaded):  # the prefix ends at the first value that did not verify
-                good = todo[loaded.index(False)]
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), max(budget, 0.0))
+        except asyncio.TimeoutError:  # what arrived in time is kept; the rest is not read
+            self._count(self.errors, "budget")
+            fut.add_done_callback(_consume)
+        except _Skipped:  # failed (counted): what arrived before the failure is kept
+            pass
+        finally:
+            run.close()
+        read = time.monotonic()
+        good = await run.settled()
         self.misses += len(keys) - good
         self.hits += good
-        self.bytes_read += sum(v.size for v in values[:good])
+        self.bytes_read += run.loaded_bytes
         log.debug(
-            "remote tier: %d chunks fetched in %.1f ms", good, 1e3 * (time.monotonic() - started)
+            "remote tier: %d chunks fetched in %.1f ms (replies read in %.1f ms)",
+            good,
+            1e3 * (time.monotonic() - started),
+            1e3 * (read - started),
         )
         return good
 
     def _copy_in(self, pairs: list[tuple[Chunk, Value]]) -> list[bool]:
-        """Copy and verify each fetched value into its reserved chunk: whether it matched."""
+        """Copy and verify each fetched value into its reserved chunk: whether it
+        matched; stops at the first that does not (the prefix ends there)."""
         out = []
         for chunk, value in pairs:
             try:
-                load_into(self.store.buffer(chunk).view, value.parts, value.digests)
+                buf = self.store.buffer(chunk)
+                load_into(buf.view, value.parts, value.digests, buf.addr)
                 out.append(True)
             except Rejected as exc:
                 self._count(self.rejected, exc.kind)
-                out.append(False)
+                break
         return out
 
+    def _stream(
+        self,
+        r: Any,
+        rkeys: list[bytes],
+        layout: str,
+        deliver: Callable[[list[Value]], None],
+        stop: threading.Event,
+    ) -> None:
+        """On a reader thread: one pipelined GET of every key; each group of about
+        REMOTE_FETCH_GROUP_BYTES of leading values whose header matches goes to
+        ``deliver`` as soon as its replies are read. Stops at the first miss or
+        refused value, or when ``stop`` is set (the caller's budget is spent); a
+        connection left with replies unread is closed, never reused mid-reply.
+        Redis Cluster (keys on every shard) and split values: redis-py pipelines,
+        then one group."""
+        if self.cluster:
+            deliver(self._get_values(r, rkeys, layout))
+            return
+        pool = r.connection_pool
+        conn = pool.get_connection()
+        read = 0
+        group: list[Value] = []
+        size = 0
+        split: list[Any] = []  # from the first split value on: the replies, unparsed
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", k) for k in rkeys]))
+            for rkey in rkeys:
+                if stop.is_set():
+                    break
+                raw = conn.read_response()
+                read += 1
+                if raw is None:
+                    break
+                try:
+                    nparts, digests, first, n = parse_head(rkey, layout, raw)
+                except Rejected as exc:
+                    self._count(self.rejected, exc.kind)
+                    break
+                if nparts > 1:  # the rest as before: parts in one more round trip
+                    split = [raw] + [conn.read_response() for _ in rkeys[read:]]
+                    read = len(rkeys)
+                    break
+                if len(first) != n:
+                    self._count(self.rejected, BAD_HEADER)
+                    break
+                group.append(Value([first], n, digests))
+                size += n
+                if size >= REMOTE_FETCH_GROUP_BYTES:
+                    deliver(group)
+                    group, size = [], 0
+        finally:
+            if read < len(rkeys):
+                conn.disconnect()
+            pool.release(conn)
+        deliver(group)
+        if split and not stop.is_set():
+            deliver(self._values(r, rkeys[len(rkeys) - len(split) :], split, layout))
+
     def _get_values(self, r: Any, rkeys: list[bytes], layout: str) -> list[Value]:
-        """On a reader thread: GET the first key of each value (pipelined), then the
-        parts of split ones; return the leading values whose header matches and whose
-        parts are all there (their checksums are checked as they are copied in)."""
+        """GET the first key of each value (pipelined), then the parts of split ones."""
         pipe = r.pipeline(transaction=False)
         for k in rkeys:
             pipe.get(k)
-        raws = pipe.execute()
+        return self._values(r, rkeys, pipe.execute(), layout)
+
+    def _values(self, r: Any, rkeys: list[bytes], raws: list[Any], layout: str) -> list[Value]:
+        """The leading values of ``raws`` (replies to GET ``rkeys``) whose header
+        matches and whose parts are all there, the parts fetched in one pipelined
+        round trip (their checksums are checked as they are copied in)."""
         heads: list[tuple[int, list[int], memoryview, int]] = []
         for rkey, raw in zip(rkeys, raws, strict=True):
             if raw is None:
@@ -894,6 +1018,115 @@ class RemoteTier:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
+
+
+class _Fetch:
+    """One fetch's groups of values, on the loop: each group is reserved and copied
+    in (on the default executor) as it arrives; chunks are committed in key order
+    up to the first value that fails (the prefix) and the rest freed, whatever the
+    caller does meanwhile. Committed chunks stay read-pinned until the fetch ends,
+    so a later group's reservation cannot evict an earlier one."""
+
+    def __init__(self, tier: RemoteTier, namespace: str, layout: str, keys: list[bytes]) -> None:
+        self.tier, self.namespace, self.layout, self.keys = tier, namespace, layout, keys
+        self.stop = threading.Event()  # set: the reader reads no more replies
+        self.good = 0  # leading keys loaded (or committed meanwhile by another call)
+        self.loaded_bytes = 0
+        self._arrived = 0  # values delivered so far
+        # (values, indexes of those to copy, their (chunk, value), the copy)
+        self._groups: list[
+            tuple[int, list[int], list[tuple[Chunk, Value]], asyncio.Future[Any]]
+        ] = []
+        self._pinned: list[Chunk] = []
+        self._ended = False  # the prefix ended: later values are dropped
+        self._closed = False  # the exchange is over (or the caller stopped waiting)
+        self._done: asyncio.Future[int] = tier.loop.create_future()
+
+    def deliver(self, values: list[Value]) -> None:
+        """From the reader thread: the next values, in key order."""
+        if values:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing to load into
+                self.tier.loop.call_soon_threadsafe(self._arrive, values)
+
+    def _arrive(self, values: list[Value]) -> None:
+        first = self._arrived
+        self._arrived += len(values)
+        if self._ended or self._closed:
+            return
+        store = self.tier.store
+        keys = self.keys[first : first + len(values)]
+        todo = [j for j, k in enumerate(keys) if store.get(self.namespace, k, self.layout) is None]
+        try:
+            chunks, _ = (
+                store.reserve(
+                    self.namespace, [(keys[j], values[j].size) for j in todo], self.layout
+                )
+                if todo
+                else ([], 0)
+            )
+        except CapacityExhausted as exc:  # no room now: the prefix ends here
+            self.tier._count(self.tier.errors, "capacity")
+            _warn.warning("remote tier: no room in the local store for fetched chunks: %s", exc)
+            self._end()
+            return
+        pairs = [(c, values[j]) for c, j in zip(chunks, todo, strict=True)]
+        copy: asyncio.Future[Any]
+        if pairs:  # not on the reader threads: they may all be waiting on a slow Redis
+            copy = self.tier.loop.run_in_executor(None, self.tier._copy_in, pairs)
+        else:
+            copy = self.tier.loop.create_future()
+            copy.set_result([])
+        self._groups.append((len(values), todo, pairs, copy))
+        copy.add_done_callback(lambda _: self._settle())
+
+    def _end(self) -> None:
+        self._ended = True
+        self.stop.set()
+
+    def _settle(self) -> None:
+        """Commit (or free) the groups whose copies ended, in key order."""
+        store = self.tier.store
+        while self._groups and self._groups[0][3].done():
+            count, todo, pairs, copy = self._groups.pop(0)
+            verified: list[bool] = []
+            if not copy.cancelled():
+                if copy.exception() is None:
+                    verified = copy.result()
+                else:  # a failed copy-in is a miss
+                    exc = copy.exception()
+                    log.error("remote tier: copying fetched chunks in failed", exc_info=exc)
+            slot = {j: pos for pos, j in enumerate(todo)}
+            for j in range(count):
+                pos = slot.get(j)
+                if pos is None:  # committed meanwhile by another call: kept
+                    self.good += not self._ended
+                    continue
+                chunk, value = pairs[pos]
+                if self._ended or pos >= len(verified) or not verified[pos]:
+                    store.abort(chunk)
+                    self._end()
+                    continue
+                if store.commit(chunk, value.digests):
+                    chunk.readers += 1
+                    self._pinned.append(chunk)
+                    self.loaded_bytes += value.size
+                self.good += 1
+        self._finish_if_over()
+
+    def _finish_if_over(self) -> None:
+        if self._closed and not self._groups and not self._done.done():
+            self.tier.store.release(self._pinned)
+            self._done.set_result(self.good)
+
+    def close(self) -> None:
+        """The exchange is over: no more values are taken."""
+        self._closed = True
+        self.stop.set()
+        self._finish_if_over()
+
+    async def settled(self) -> int:
+        """Leading keys loaded, once every group is committed or freed."""
+        return await asyncio.shield(self._done)
 
 
 class _Unresolved(socket.gaierror):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -18,13 +19,14 @@ import redis
 import redis.asyncio as aredis
 import torch
 from certs import make_ca, make_cert
-from conftest import SERVING, ServerThread, health_status, make_cache
+from conftest import SERVING, ServerThread, fill_random, health_status, make_cache
 from prometheus_client import generate_latest
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_servers import RedisCluster, RedisServer, free_port, require_redis
 
 from kvsvc import failpoints
+from kvsvc import remote as remote_module
 from kvsvc.client import KVCacheClient
 from kvsvc.config import ServerConfig
 from kvsvc.kvcache import SharedKVCache
@@ -332,6 +334,126 @@ def test_corrupted_and_foreign_values_are_misses_never_loaded(node, redis_server
         )
         assert cb.server_info().stored_chunks == 0  # never loaded into the store
         assert cb.retrieve(mb, [(b"good", [5])]).loaded_chunks == 1
+        assert health_status(b.address) == SERVING
+
+
+# --- grouped fetches -----------------------------------------------------------
+def test_grouped_fetch_loads_the_valid_prefix_only(node, redis_server, monkeypatch) -> None:
+    """Replies are copied in by groups while the next ones are read; a value of the
+    second group that fails its checksum ends the prefix: the chunks before it are
+    loaded, it and every later one (valid or not) are not."""
+    a, shm_a = node("a", redis_server.url)
+    b, shm_b = node("b", redis_server.url)
+    src = make_cache(shm_a, "src", seed=11)
+    dst = make_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        chunks = [(b"g-%d" % i, [i]) for i in range(6)]
+        assert ca.store(ma, chunks).stored_chunks == 6
+        wait_for("written", lambda: tier(a).writes == 6)
+        size = tier(a).bytes_written // 6  # one chunk
+        monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 2 * size)
+        groups: list[int] = []
+        copy_in = RemoteTier._copy_in
+
+        def counted(self: RemoteTier, pairs: list) -> list[bool]:
+            groups.append(len(pairs))
+            return copy_in(self, pairs)
+
+        monkeypatch.setattr(RemoteTier, "_copy_in", counted)
+        rkey = redis_key("kvsvc", "llama", ma.layout_fingerprint, b"g-3")
+        raw = redis.Redis(port=redis_server.port)
+        try:
+            value = bytearray(raw.get(rkey) or b"")
+            value[-1] ^= 0xFF
+            raw.set(rkey, bytes(value))
+        finally:
+            raw.close()
+
+        dst_before = blocks(dst, list(range(12)))
+        r = cb.retrieve(mb, [(k, [ids[0] + 6]) for k, ids in chunks])
+        assert r.loaded_chunks == 3
+        assert groups[:2] == [2, 2], groups  # two groups of two, each copied on its own
+        assert tier(b).rejected == {"checksum": 1}
+        assert cb.server_info().stored_chunks == 3  # g-4 and g-5 are valid but not loaded
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(blocks(src, [0, 1, 2]), blocks(dst, [6, 7, 8]), strict=True)
+        )
+        assert all(  # blocks of the chunks not loaded are untouched
+            torch.equal(x, y)
+            for x, y in zip(
+                blocks(dst, [9, 10, 11]),
+                [t.index_select(dst.block_dim, torch.tensor([9, 10, 11])) for t in dst_before],
+                strict=True,
+            )
+        )
+        assert tier(b).hits == 3 and tier(b).misses == 3
+        assert health_status(b.address) == SERVING
+
+
+def big_cache(shm: Path, name: str, seed: int | None = None) -> SharedKVCache:
+    """16 blocks of 2 MiB (4 layers of 512 KiB): values larger than a socket buffer."""
+    cache = SharedKVCache(name, num_layers=4, num_blocks=16, block_size=128, kv_heads=8,
+                          head_dim=128, shm_dir=str(shm))  # fmt: skip
+    if seed is not None:
+        fill_random(cache, seed)
+    return cache
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_redis_lost_during_a_grouped_fetch_answers_in_time(
+    node, redis_server, monkeypatch, how: str
+) -> None:
+    """Redis killed (or frozen: SIGSTOP) while a Retrieve reads its replies, after the
+    first group was handed over: the Retrieve answers within its deadline with a
+    bit-exact prefix (at least that group), the failure is counted, the health does
+    not change, and the connection is not reused mid-reply."""
+    a, shm_a = node("a", redis_server.url, store_bytes=128 << 20, remote_timeout=1.0)
+    b, shm_b = node("b", redis_server.url, remote_timeout=1.0)
+    src, dst = big_cache(shm_a, "src", seed=12), big_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        chunks = [(b"big-%02d" % i, [i]) for i in range(16)]
+        for half in (chunks[:8], chunks[8:]):  # within A's write queue (a quarter of 128 MiB)
+            written = tier(a).writes
+            assert ca.store(ma, half).stored_chunks == 8
+            wait_for("written", lambda w=written: tier(a).writes == w + 8)
+        monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 1)  # a group per value
+        deliver = remote_module._Fetch.deliver
+        lost = threading.Event()
+
+        def lose_redis_after_the_first(self, values: list) -> None:
+            deliver(self, values)
+            if values and not lost.is_set():  # on the reader thread: it reads no more first
+                lost.set()
+                if how == "killed":
+                    redis_server.kill()
+                else:
+                    redis_server.stop_process()
+
+        monkeypatch.setattr(remote_module._Fetch, "deliver", lose_redis_after_the_first)
+        try:
+            t0 = time.monotonic()
+            r = cb.retrieve(mb, [(k, ids) for k, ids in chunks], timeout=10)
+            took = time.monotonic() - t0
+        finally:
+            if how == "frozen":
+                redis_server.continue_process()
+        assert lost.is_set()
+        assert took < 8, took
+        # Only what the kernel had buffered can follow the first value: never all 16.
+        assert 1 <= r.loaded_chunks < 16, r.loaded_chunks
+        n = r.loaded_chunks
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(blocks(src, list(range(n))), blocks(dst, list(range(n))), strict=True)
+        )
+        assert cb.server_info().stored_chunks == n
+        errors = tier(b).errors
+        assert errors.get("connection", 0) + errors.get("timeout", 0) >= 1, errors
         assert health_status(b.address) == SERVING
 
 
