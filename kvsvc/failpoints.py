@@ -116,6 +116,14 @@ def _entry(name: str, tag: object) -> tuple[str, int] | None:
     return kind, ms
 
 
+def only_raises(prefix: str) -> bool:
+    """No loaded point named ``prefix``... sleeps, hangs or kills its thread (so a
+    thread that must never block, the event loop's, may run those points)."""
+    return all(
+        kind == "raise" for name, (_, kind, _, _) in _TABLE.items() if name.startswith(prefix)
+    )
+
+
 async def hit_async(name: str, tag: object = None) -> None:
     """Like :func:`hit`, for the event loop: sleep and hang delay only the caller."""
     action = _entry(name, tag)

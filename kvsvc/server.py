@@ -244,7 +244,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             return None
 
     async def _bounded(
-        self, work: Awaitable[Any], name: str, call: Call, default: bool, grace: float = 0.0
+        self,
+        work: Coroutine[Any, Any, Any],
+        name: str,
+        call: Call,
+        default: bool,
+        grace: float = 0.0,
     ) -> Any:
         """Run a call within its deadline (``default``: the server's, the call carried
         none): a handler that hangs or a copy that runs long is answered at the
@@ -252,9 +257,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         Fence proves its end). Unary calls with a deadline have gRPC for this."""
         # At the deadline itself: handlers give up a little earlier with a better
         # error (they keep a reply budget); this only catches what does not.
-        limit = max(0.0, call.deadline + grace - monotonic())
         try:
-            return await asyncio.wait_for(work, limit)
+            return await _Within(work, call.deadline + grace)
         except asyncio.TimeoutError:
             if monotonic() < call.deadline - 0.1:
                 raise  # the handler's own TimeoutError, not the deadline's
@@ -991,6 +995,38 @@ class _Rest:
                     yielded = coro.send(sent)
                 except StopIteration as stop:
                     return stop.value
+
+
+class _Within:
+    """Awaits a coroutine until a monotonic ``deadline`` (then TimeoutError), as
+    ``asyncio.wait_for`` does, but pays for wait_for's task, timer and two loop turns
+    only when the coroutine has to wait: its first step runs here, in the caller's
+    task (a Store whose copy ended on the loop's thread never waits). If it waits,
+    the rest runs under ``wait_for`` with what is left of the time. (``asyncio.timeout``
+    cannot do this: it cancels the task that runs this step, which under ``eager``
+    is the Session's reader, not the request.)"""
+
+    __slots__ = ("coro", "deadline")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], deadline: float) -> None:
+        self.coro, self.deadline = coro, deadline
+
+    def __await__(self) -> Any:
+        coro = self.coro
+        try:
+            first = coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        # At least a microsecond: wait_for cancels a task it was given no time for
+        # before its first step, which would leave ``coro`` suspended, never told.
+        limit = max(1e-6, self.deadline - monotonic())
+        return (yield from asyncio.wait_for(_resume(coro, first), limit).__await__())
+
+
+async def _resume(coro: Coroutine[Any, Any, R], first: Any) -> R:
+    """The rest of ``coro``, whose first step yielded ``first``, as a coroutine."""
+    result: R = await _Rest(coro, first)
+    return result
 
 
 def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:
