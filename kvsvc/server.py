@@ -6,6 +6,7 @@ hand the copy to the transfer engine. Start, signals and stop: kvsvc.lifecycle."
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import contextvars
 import functools
@@ -1000,11 +1001,11 @@ class _Rest:
 class _Within:
     """Awaits a coroutine until a monotonic ``deadline`` (then TimeoutError), as
     ``asyncio.wait_for`` does, but pays for wait_for's task, timer and two loop turns
-    only when the coroutine has to wait: its first step runs here, in the caller's
-    task (a Store whose copy ended on the loop's thread never waits). If it waits,
-    the rest runs under ``wait_for`` with what is left of the time. (``asyncio.timeout``
-    cannot do this: it cancels the task that runs this step, which under ``eager``
-    is the Session's reader, not the request.)"""
+    only when the coroutine has to wait: its first step runs here (in a context of
+    its own, as in a task), so a Store whose copy ended on the loop's thread never
+    makes one. If it waits, the rest runs in a task under ``wait_for`` with what is
+    left of the time. (``asyncio.timeout`` cannot do this: it would cancel the task
+    that runs this step, which under ``eager`` is the Session's reader.)"""
 
     __slots__ = ("coro", "deadline")
 
@@ -1012,21 +1013,47 @@ class _Within:
         self.coro, self.deadline = coro, deadline
 
     def __await__(self) -> Any:
-        coro = self.coro
+        ctx = contextvars.copy_context()
         try:
-            first = coro.send(None)
+            first = ctx.run(self.coro.send, None)
         except StopIteration as stop:
             return stop.value
-        # At least a microsecond: wait_for cancels a task it was given no time for
-        # before its first step, which would leave ``coro`` suspended, never told.
+        task = asyncio.get_running_loop().create_task(_Resumed(self.coro, first), context=ctx)
+        # At least a microsecond: wait_for cancels a task it gave no time before
+        # the task's first step (the cancel still reaches ``coro``: see _Resumed).
         limit = max(1e-6, self.deadline - monotonic())
-        return (yield from asyncio.wait_for(_resume(coro, first), limit).__await__())
+        return (yield from asyncio.wait_for(task, limit).__await__())
 
 
-async def _resume(coro: Coroutine[Any, Any, R], first: Any) -> R:
-    """The rest of ``coro``, whose first step yielded ``first``, as a coroutine."""
-    result: R = await _Rest(coro, first)
-    return result
+class _Resumed(collections.abc.Coroutine[Any, Any, Any]):
+    """The rest of ``coro``, whose first step yielded ``first``, as a coroutine a task
+    runs: the task's first step hands it ``first``; whatever is thrown in (a cancel,
+    even one before that step) reaches ``coro`` where it waits."""
+
+    __slots__ = ("coro", "first")
+    _SENT = object()
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro, self.first = coro, first
+
+    def send(self, value: Any) -> Any:
+        if self.first is not self._SENT:
+            first, self.first = self.first, self._SENT
+            return first
+        return self.coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self.first = self._SENT
+        return self.coro.throw(typ) if val is None and tb is None else self.coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.coro.close()
+
+    def __await__(self) -> Any:
+        if self.first is self._SENT:
+            raise RuntimeError("_Resumed is run by a task, once")
+        first, self.first = self.first, self._SENT
+        return (yield from _Rest(self.coro, first).__await__())
 
 
 def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:
