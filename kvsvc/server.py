@@ -34,7 +34,7 @@ from kvsvc.config import (
     shm_owner_uids,
     socket_gid,
 )
-from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
+from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segment_count, tasks
 from kvsvc.errors import (
     ENVELOPE_VERSION,
     FINISHED,
@@ -586,7 +586,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 for chunk, _ in todo:
                     self.store.abort(chunk)
                 return
-            digests: list[list[int]] = [[0] * len(segments(c.size)) for c, _ in todo]
+            digests: list[list[int]] = [[0] * segment_count(c.size) for c, _ in todo]
             for ci, si, digest in (d for group in results for d in group):
                 digests[ci][si] = digest
             committed = [
@@ -607,8 +607,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             nbytes = sum(c.size for c, _ in todo)
             loop_safe = all(side.loop_safe for _, side in todo)
             await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
-        if evicted:
-            log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
+        if evicted:  # every Store of a full cache evicts: the reply and metrics count it
+            log.debug("store %s evicted %d chunks to make room", call.request_id, evicted)
         response = pb.StoreResponse()
         result = response.result  # filled in place: a result passed in would be copied
         result.stored_chunks = stored
@@ -1013,6 +1013,9 @@ class _Within:
         self.coro, self.deadline = coro, deadline
 
     def __await__(self) -> Any:
+        if self.deadline <= monotonic():  # as wait_for: no time, no start
+            self.coro.close()
+            raise asyncio.TimeoutError
         ctx = contextvars.copy_context()
         try:
             first = ctx.run(self.coro.send, None)

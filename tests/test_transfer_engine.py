@@ -192,7 +192,7 @@ async def test_a_fence_waits_for_the_copy_threads_share_after_the_loop_did_its_o
             [_recorder(ran, "a"), slow],
             lambda r, e: finalized.append(e),
             loop_safe=True,
-        )  # fmt: skip
+        )
     )
     for _ in range(3000):
         if ran:

@@ -114,14 +114,22 @@ def test_within_one_that_waits_goes_on_in_its_own_context() -> None:
     assert asyncio.run(go()) == ["first step", "second step sees inner", "finally"]
 
 
-@pytest.mark.parametrize("left", [0.05, -1.0])
-def test_within_one_that_waits_past_the_deadline_is_cancelled_where_it_waits(left: float) -> None:
-    """Also when no time is left by the time it first waits: it is told all the same."""
+@pytest.mark.parametrize("first_step", ["quick", "past the deadline"])
+def test_within_one_that_waits_past_the_deadline_is_cancelled_where_it_waits(
+    first_step: str,
+) -> None:
+    """Also when its first step used up the time: it is told all the same."""
 
     async def go() -> list[str]:
         gate, trace = asyncio.Event(), []
+
+        async def coro() -> str:
+            if first_step != "quick":
+                time.sleep(0.06)
+            return await waits(gate, trace)
+
         with pytest.raises(asyncio.TimeoutError):
-            await _Within(waits(gate, trace), time.monotonic() + left)
+            await _Within(coro(), time.monotonic() + 0.05)
         return trace
 
     assert asyncio.run(go()) == ["first step", "finally"]
@@ -142,3 +150,13 @@ def test_within_cancelling_the_caller_cancels_the_coroutine_where_it_waits() -> 
         return trace
 
     assert asyncio.run(go()) == ["first step", "finally"]
+
+
+def test_within_no_time_left_is_a_timeout_before_the_first_step() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        with pytest.raises(asyncio.TimeoutError):
+            await _Within(waits(gate, trace), time.monotonic() - 1)
+        return trace
+
+    assert asyncio.run(go()) == []
