@@ -225,6 +225,7 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
  * overwrite that a cached store costs first (a third of a copy's memory
  * traffic), and a Store CRCs the very registers it writes, in one pass. */
 #define NT_MIN 4096 /* shorter copies: cached stores */
+#define NT_LOAD_MIN (4u << 20) /* a Retrieve's span streams from this size */
 
 /* d 64-byte aligned, len a multiple of 256 (at least 256): copy and CRC-32C. */
 __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_fold_copy(
@@ -341,9 +342,11 @@ int kvsvc_copy_nt(int on) {
 }
 
 /* Copy n bytes into a chunk and carry `crc` over them (a Store). */
-static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, uint32_t crc) {
+static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, uint32_t crc,
+                            int stream) {
+    (void)stream;
 #ifdef HAVE_FOLD
-    if (nt && n >= NT_MIN) {
+    if (stream && n >= NT_MIN) {
         size_t head = (64 - ((uintptr_t)d & 63)) & 63;
         memcpy(d, p, head);
         crc = kvsvc_crc32c(crc, d, head);
@@ -358,9 +361,10 @@ static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, 
 }
 
 /* Copy n checked bytes out of a chunk (a Retrieve). */
-static void load_piece(unsigned char *d, const unsigned char *p, size_t n) {
+static void load_piece(unsigned char *d, const unsigned char *p, size_t n, int stream) {
+    (void)stream;
 #ifdef HAVE_FOLD
-    if (nt && n >= NT_MIN) {
+    if (stream && n >= NT_MIN) {
         size_t head = (64 - ((uintptr_t)d & 63)) & 63;
         memcpy(d, p, head);
         size_t mid = (n - head) & ~(size_t)63;
@@ -394,6 +398,9 @@ typedef struct {
 long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
                          uint64_t hi, uint64_t seg, int to_store, uint32_t *digests,
                          uint32_t *got) {
+    /* A Store's chunk is written once and read much later: always streamed. A
+     * Retrieve's blocks are read by the engine next: a small one stays in cache. */
+    int stream = nt && (to_store || hi - lo >= NT_LOAD_MIN);
     size_t i = 0;
     while (i < nruns && runs[i].pos + runs[i].n <= lo) i++;
     for (uint64_t s = lo, k = 0; s < hi; s += seg, k++) {
@@ -404,7 +411,7 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
             if (c != digests[k]) {
                 *got = c;
 #ifdef HAVE_FOLD
-                if (nt) _mm_sfence();
+                if (stream) _mm_sfence();
 #endif
                 return (long)k;
             }
@@ -420,10 +427,10 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
                  * with non-temporal stores, of the registers it writes. */
                 for (uint64_t q = a; q < b; q += CHASE) {
                     uint64_t m = b - q < CHASE ? b - q : CHASE;
-                    crc = store_piece(chunk + q, eng + (q - a), m, crc);
+                    crc = store_piece(chunk + q, eng + (q - a), m, crc, stream);
                 }
             } else {
-                load_piece(eng, chunk + a, b - a);
+                load_piece(eng, chunk + a, b - a, stream);
             }
             if (r->pos + r->n > e) break; /* the run goes on in the next segment */
             i++;
@@ -431,7 +438,7 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
         if (to_store) digests[k] = crc;
     }
 #ifdef HAVE_FOLD
-    if (nt) _mm_sfence(); /* the streamed bytes are in memory before the caller says so */
+    if (stream) _mm_sfence(); /* the streamed bytes are in memory before the caller says so */
 #endif
     return -1;
 }
