@@ -429,13 +429,11 @@ class Inline:
 Side = Blocks | Inline
 
 
-def tasks(
-    pieces: list[Piece], nbytes: int, threads: int, parallel_min: int = PARALLEL_MIN_BYTES
-) -> list[Callable[[], list[Digest]]]:
-    """The pieces of one copy as a few tasks, one per copy thread at most; copies
-    of at most ``parallel_min`` bytes run as one task. Neighbouring segments of one
-    chunk run as one span (one native call)."""
-    threads = threads if nbytes > parallel_min else 1
+def tasks(pieces: list[Piece], nbytes: int, threads: int) -> list[Callable[[], list[Digest]]]:
+    """The pieces of one copy as a few tasks, one per copy thread at most; small
+    copies run as one task. Neighbouring segments of one chunk run as one span
+    (one native call)."""
+    threads = threads if nbytes > PARALLEL_MIN_BYTES else 1
     n_tasks = max(1, min(len(pieces), threads))
     per = -(-len(pieces) // n_tasks)
 

@@ -117,8 +117,9 @@ def _entry(name: str, tag: object) -> tuple[str, int] | None:
 
 
 def only_raises(prefix: str) -> bool:
-    """No loaded point named ``prefix``... sleeps, hangs or kills its thread (so a
-    thread that must never block, the event loop's, may run those points)."""
+    """True when no loaded point whose name starts with ``prefix`` sleeps, hangs or
+    kills its thread: a thread that must never block (the event loop's) may then
+    run those points."""
     return all(
         kind == "raise" for name, (_, kind, _, _) in _TABLE.items() if name.startswith(prefix)
     )
