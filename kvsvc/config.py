@@ -421,7 +421,8 @@ _HELP = {
     "transfer_threads": "worker threads that run copies off the event loop",
     "inline_copy_bytes": "a Store/Retrieve of at most this many bytes between sealed memfds "
     "(or the message) and the store copies on the event loop's thread, sparing two thread "
-    "hand-offs (GIL released while it copies); 0 = every copy on the worker threads",
+    "hand-offs (GIL released while it copies); of a larger one the loop copies one share "
+    "(up to 16 MiB) beside the copy threads; 0 = every copy on the worker threads",
     "shutdown_grace": "seconds that SIGTERM/SIGINT lets in-flight calls finish",
     "stall_timeout": "seconds a copy may run before the server declares itself stalled",
     "default_deadline": "seconds a call that carries no gRPC deadline may take here: "

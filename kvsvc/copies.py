@@ -52,6 +52,11 @@ def segments(size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
 
 
+def segment_count(size: int) -> int:
+    """``len(segments(size))``, without making the list (per call on the hot path)."""
+    return max(1, -(-size // SEGMENT_BYTES))
+
+
 def checksum(view: memoryview | bytes) -> int:
     """CRC-32C of a segment (the package drops the GIL for large buffers)."""
     return int(crc32c.crc32c(view))
@@ -77,11 +82,22 @@ class NativeCopy:
             fn.restype, fn.argtypes = u32, [u32, vp, size]
         self.crc32c, self.crc32c_tables = lib.kvsvc_crc32c, lib.kvsvc_crc32c_tables
         self.crc32c_nofold = lib.kvsvc_crc32c_nofold
+        self._nt = getattr(lib, "kvsvc_copy_nt", None)  # absent from an older build
+        if self._nt is not None:
+            self._nt.restype, self._nt.argtypes = ctypes.c_int, [ctypes.c_int]
+        #: copies write with non-temporal stores (where the CRC folds; see copyloop.c)
+        self.streaming = self.stream(True)
         fn = lib.kvsvc_copy_segments
         fn.restype = ctypes.c_long
         fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
         fn.argtypes += [ctypes.c_int, vp, ctypes.POINTER(u32)]
         self._copy = fn
+
+    def stream(self, on: bool) -> bool:
+        """Use non-temporal stores or not (for tests and benchmarks that compare
+        both paths); returns whether they are used now."""
+        self.streaming = bool(self._nt(int(on))) if self._nt is not None else False
+        return self.streaming
 
     def copy(
         self,
@@ -327,8 +343,7 @@ class Blocks:
 
             return [cuda_piece]
         job = _BlockCopy(mapping, self.block_ids, chunk, ci, to_store)
-        n = max(1, -(-chunk.size // SEGMENT_BYTES))
-        return [SegmentPiece(job, si) for si in range(n)]
+        return [SegmentPiece(job, si) for si in range(segment_count(chunk.size))]
 
 
 class _BlockCopy:

@@ -116,6 +116,15 @@ def _entry(name: str, tag: object) -> tuple[str, int] | None:
     return kind, ms
 
 
+def only_raises(prefix: str) -> bool:
+    """True when no loaded point whose name starts with ``prefix`` sleeps, hangs or
+    kills its thread: a thread that must never block (the event loop's) may then
+    run those points."""
+    return all(
+        kind == "raise" for name, (_, kind, _, _) in _TABLE.items() if name.startswith(prefix)
+    )
+
+
 async def hit_async(name: str, tag: object = None) -> None:
     """Like :func:`hit`, for the event loop: sleep and hang delay only the caller."""
     action = _entry(name, tag)

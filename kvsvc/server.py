@@ -6,6 +6,7 @@ hand the copy to the transfer engine. Start, signals and stop: kvsvc.lifecycle."
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import contextvars
 import functools
@@ -33,7 +34,7 @@ from kvsvc.config import (
     shm_owner_uids,
     socket_gid,
 )
-from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segments, tasks
+from kvsvc.copies import Blocks, Digest, Inline, Piece, Side, segment_count, tasks
 from kvsvc.errors import (
     ENVELOPE_VERSION,
     FINISHED,
@@ -244,7 +245,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             return None
 
     async def _bounded(
-        self, work: Awaitable[Any], name: str, call: Call, default: bool, grace: float = 0.0
+        self,
+        work: Coroutine[Any, Any, Any],
+        name: str,
+        call: Call,
+        default: bool,
+        grace: float = 0.0,
     ) -> Any:
         """Run a call within its deadline (``default``: the server's, the call carried
         none): a handler that hangs or a copy that runs long is answered at the
@@ -252,9 +258,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         Fence proves its end). Unary calls with a deadline have gRPC for this."""
         # At the deadline itself: handlers give up a little earlier with a better
         # error (they keep a reply budget); this only catches what does not.
-        limit = max(0.0, call.deadline + grace - monotonic())
         try:
-            return await asyncio.wait_for(work, limit)
+            return await _Within(work, call.deadline + grace)
         except asyncio.TimeoutError:
             if monotonic() < call.deadline - 0.1:
                 raise  # the handler's own TimeoutError, not the deadline's
@@ -581,7 +586,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 for chunk, _ in todo:
                     self.store.abort(chunk)
                 return
-            digests: list[list[int]] = [[0] * len(segments(c.size)) for c, _ in todo]
+            digests: list[list[int]] = [[0] * segment_count(c.size) for c, _ in todo]
             for ci, si, digest in (d for group in results for d in group):
                 digests[ci][si] = digest
             committed = [
@@ -602,8 +607,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             nbytes = sum(c.size for c, _ in todo)
             loop_safe = all(side.loop_safe for _, side in todo)
             await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
-        if evicted:
-            log.info("store %s evicted %d chunks to make room", call.request_id, evicted)
+        if evicted:  # every Store of a full cache evicts: the reply and metrics count it
+            log.debug("store %s evicted %d chunks to make room", call.request_id, evicted)
         response = pb.StoreResponse()
         result = response.result  # filled in place: a result passed in would be copied
         result.stored_chunks = stored
@@ -991,6 +996,67 @@ class _Rest:
                     yielded = coro.send(sent)
                 except StopIteration as stop:
                     return stop.value
+
+
+class _Within:
+    """Awaits a coroutine until a monotonic ``deadline`` (then TimeoutError), as
+    ``asyncio.wait_for`` does, but pays for wait_for's task, timer and two loop turns
+    only when the coroutine has to wait: its first step runs here (in a context of
+    its own, as in a task), so a Store whose copy ended on the loop's thread never
+    makes one. If it waits, the rest runs in a task under ``wait_for`` with what is
+    left of the time. (``asyncio.timeout`` cannot do this: it would cancel the task
+    that runs this step, which under ``eager`` is the Session's reader.)"""
+
+    __slots__ = ("coro", "deadline")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], deadline: float) -> None:
+        self.coro, self.deadline = coro, deadline
+
+    def __await__(self) -> Any:
+        if self.deadline <= monotonic():  # as wait_for: no time, no start
+            self.coro.close()
+            raise asyncio.TimeoutError
+        ctx = contextvars.copy_context()
+        try:
+            first = ctx.run(self.coro.send, None)
+        except StopIteration as stop:
+            return stop.value
+        task = asyncio.get_running_loop().create_task(_Resumed(self.coro, first), context=ctx)
+        # At least a microsecond: wait_for cancels a task it gave no time before
+        # the task's first step (the cancel still reaches ``coro``: see _Resumed).
+        limit = max(1e-6, self.deadline - monotonic())
+        return (yield from asyncio.wait_for(task, limit).__await__())
+
+
+class _Resumed(collections.abc.Coroutine[Any, Any, Any]):
+    """The rest of ``coro``, whose first step yielded ``first``, as a coroutine a task
+    runs: the task's first step hands it ``first``; whatever is thrown in (a cancel,
+    even one before that step) reaches ``coro`` where it waits."""
+
+    __slots__ = ("coro", "first")
+    _SENT = object()
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro, self.first = coro, first
+
+    def send(self, value: Any) -> Any:
+        if self.first is not self._SENT:
+            first, self.first = self.first, self._SENT
+            return first
+        return self.coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self.first = self._SENT
+        return self.coro.throw(typ) if val is None and tb is None else self.coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.coro.close()
+
+    def __await__(self) -> Any:
+        if self.first is self._SENT:
+            raise RuntimeError("_Resumed is run by a task, once")
+        first, self.first = self.first, self._SENT
+        return (yield from _Rest(self.coro, first).__await__())
 
 
 def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsvc.copies import ChunkBuffer, segments
+from kvsvc.copies import ChunkBuffer, segment_count
 from kvsvc.errors import CapacityExhausted
 
 ALIGN = 4096
@@ -45,7 +45,7 @@ ChunkKey = tuple[str, bytes, str]  # (namespace, key, layout)
 
 def meta_bytes(namespace: str, key: bytes, size: int) -> int:
     """Bytes of server memory a chunk holds outside the store buffer."""
-    return CHUNK_OVERHEAD_BYTES + len(key) + len(namespace) + 8 * len(segments(size))
+    return CHUNK_OVERHEAD_BYTES + len(key) + len(namespace) + 8 * segment_count(size)
 
 
 @dataclass

@@ -36,6 +36,11 @@ from kvsvc.errors import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _REMEMBERED = 100_000  # completed and barred ids kept for Fence's answers
+#: The most of a larger loop-safe copy the event loop's thread copies itself beside
+#: the copy threads (one task's share): ~2 ms of the native loop, so other calls
+#: wait no longer than one such call's own work; copies with bigger shares leave
+#: the loop free.
+LOOP_SHARE_MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -182,6 +187,15 @@ class TransferEngine:
                 transfer_state=NOT_STARTED,
             )
 
+    def loop_copies(self) -> bool:
+        """Whether the event loop's thread may run copy pieces itself. Failpoints
+        simulate faults of copy threads: one that sleeps, hangs or kills its
+        thread would stop the whole loop, so with such a one loaded every piece
+        goes to the copy threads (``raise`` ones fire on the loop alike)."""
+        return self.inline_max_bytes > 0 and (
+            not failpoints.ENABLED or failpoints.only_raises("transfer.")
+        )
+
     async def run(
         self,
         transfer_id: str,
@@ -205,16 +219,20 @@ class TransferEngine:
         sealed memfd, the message's bytes). Such a copy of at most
         ``inline_max_bytes`` runs here, on the event loop's thread (the native loop
         drops the GIL): two thread hand-offs cost more than the copy of a few MiB.
-        Failpoints simulate faults of copy threads, so with any loaded every copy
-        goes to them.
+        A larger one cut in tasks of at most ``LOOP_SHARE_MAX_BYTES`` is shared:
+        this thread runs the first task while the copy threads run the others, then
+        waits a little for them (GIL released) rather than idle until a copy thread
+        hands the end back through the loop. ``inline_max_bytes`` 0: neither.
         """
         try:
             self._admit(transfer_id, deadline, nbytes)
         except BaseException as exc:
             finalize(None, exc)
             raise
-        if loop_safe and nbytes <= self.inline_max_bytes and not failpoints.ENABLED:
+        share = loop_safe and self.loop_copies()
+        if share and nbytes <= self.inline_max_bytes:
             return self._run_inline(transfer_id, nbytes, tasks, finalize)
+        share = share and len(tasks) > 1 and nbytes <= LOOP_SHARE_MAX_BYTES * len(tasks)
         loop = asyncio.get_running_loop()
         transfer = Transfer(
             transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
@@ -223,6 +241,9 @@ class TransferEngine:
         lock = threading.Lock()
         refused: list[KVServiceError] = []
         pending = [len(tasks)]
+        #: the loop's thread waits for the last pieces itself (``ended`` wakes it)
+        joining = [False]
+        ended = threading.Event()
 
         def wrap(index: int, task: Callable[[], T]) -> Callable[[], T]:
             def work() -> T:
@@ -269,22 +290,41 @@ class TransferEngine:
                 if not transfer.reply.done():
                     transfer.reply.set_result(None)
 
-        def piece_done(fut: concurrent.futures.Future[T]) -> None:
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                loop.call_soon_threadsafe(finished)
-            # Told after `finished` is queued, so a copy whose last piece failed is
-            # answered with its own error, not as one that cannot be proven to end;
-            # told even if the call was abandoned, since nobody else would tell.
+        def tell_fatal(fut: concurrent.futures.Future[T]) -> None:
             exc = None if fut.cancelled() else fut.exception()
             if isinstance(exc, KVServiceError) and exc.fatal:
                 self.on_fatal(exc)
 
-        futures = [self._workers.submit(wrap(i, t), transfer_id) for i, t in enumerate(tasks)]
-        for f in futures:
+        def piece_done(fut: concurrent.futures.Future[T]) -> None:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+                waited = last and joining[0]
+            if waited:
+                ended.set()  # the loop's thread waits for this piece: it finishes
+            elif last:
+                loop.call_soon_threadsafe(finished)
+            # Told after `finished` is queued, so a copy whose last piece failed is
+            # answered with its own error, not as one that cannot be proven to end;
+            # told even if the call was abandoned, since nobody else would tell.
+            tell_fatal(fut)
+
+        own: concurrent.futures.Future[T] | None = None
+        if share:
+            own = concurrent.futures.Future()
+            own.set_running_or_notify_cancel()
+        futures = [own] if own is not None else []
+        futures += [
+            self._workers.submit(wrap(i, t), transfer_id)
+            for i, t in enumerate(tasks)
+            if own is None or i > 0
+        ]
+        for f in futures[1:] if own is not None else futures:
             f.add_done_callback(piece_done)
+        if own is not None:
+            if self._run_share(own, wrap(0, tasks[0]), futures[1:], lock, pending, joining, ended):
+                finished()
+            tell_fatal(own)
         try:
             # Awaited directly (a shield costs two more loop turns per copy): only this
             # call waits on ``reply``, and a cancel of it is read as "answered".
@@ -292,7 +332,8 @@ class TransferEngine:
         except asyncio.CancelledError:
             # Pieces that have not started never will; started ones run to their
             # end, stay in `inflight` until then, and are finalized by `finished`.
-            if not all([f.cancel() for f in futures]):  # a list: cancel every one
+            queued = [f for f in futures if f is not own]
+            if not all([f.cancel() for f in queued]):  # a list: cancel every one
                 transfer.abandoned = True
                 log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
             raise
@@ -304,6 +345,41 @@ class TransferEngine:
         self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
         assert results is not None
         return results
+
+    @staticmethod
+    def _run_share(
+        own: concurrent.futures.Future[T],
+        work: Callable[[], T],
+        others: list[concurrent.futures.Future[T]],
+        lock: threading.Lock,
+        pending: list[int],
+        joining: list[bool],
+        ended: threading.Event,
+    ) -> bool:
+        """The loop's thread runs its share of a copy (``work``), then, if it succeeded
+        and the copy threads' shares all run, waits for them (GIL released) about as
+        long as its own share took: theirs are as big and started a hand-off later
+        (one that is still queued may wait long: the loop does not). True: every
+        piece has ended and the caller finishes the copy here, with no trip
+        through ``call_soon_threadsafe``; False: the last copy thread hands the
+        end back through the loop, as for any copy."""
+        t0 = time.monotonic()
+        try:
+            own.set_result(work())
+        except BaseException as exc:  # noqa: BLE001 - read by _collect, raised by run
+            own.set_exception(exc)
+        took = time.monotonic() - t0
+        with lock:
+            pending[0] -= 1
+            if pending[0] == 0:
+                return True
+            # A failed share is told at once (the loop answers it), as on a copy thread.
+            joining[0] = own.exception() is None and all(f.running() or f.done() for f in others)
+        if joining[0]:
+            ended.wait(took)
+        with lock:
+            joining[0] = False
+            return pending[0] == 0
 
     def _copy_failed(self, exc: Exception, transfer_id: str) -> KVServiceError:
         """What a copy that raised ``exc`` after it started is answered with; a fatal
@@ -339,7 +415,11 @@ class TransferEngine:
         self._remember(self._completed, transfer_id)
         started = time.monotonic()
         try:
+            if failpoints.ENABLED:  # only ``raise`` ones (loop_copies)
+                failpoints.hit("transfer.before_copy")
             results = [task() for task in tasks]
+            if failpoints.ENABLED:
+                failpoints.hit("transfer.after_copy")
         except Exception as exc:
             error = self._copy_failed(exc, transfer_id)
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -19,7 +20,7 @@ from kvsvc.errors import (
     KVServiceError,
     ServiceNotServing,
 )
-from kvsvc.transfer import TransferEngine
+from kvsvc.transfer import LOOP_SHARE_MAX_BYTES, TransferEngine
 
 
 async def test_a_copy_queued_behind_a_fatal_one_never_starts() -> None:
@@ -143,4 +144,127 @@ async def test_data_loss_in_an_inline_copy_is_fatal_and_keeps_its_reason() -> No
         await engine.run("t1", "m", 4096, None, [mismatch], lambda r, e: None, loop_safe=True)
     assert ei.value.transfer_state == FINISHED and told == [ei.value]
     assert engine.failed is ei.value
+    engine.shutdown()
+
+
+async def test_a_large_loop_safe_copy_is_shared_with_the_loops_thread() -> None:
+    """The loop's thread copies the first task itself while a copy thread copies the
+    other; the copy is tracked, finalized once and remembered as any other."""
+    engine = TransferEngine(threads=2, inline_max_bytes=1 << 20)
+    loop_thread = threading.current_thread().name
+    ran: list[str] = []
+    finalized: list[tuple[object, BaseException | None]] = []
+    results = await engine.run(
+        "t1", "m", 8 << 20, None, [_recorder(ran, "a"), _recorder(ran, "b")],
+        lambda r, e: finalized.append((r, e)), loop_safe=True,
+    )  # fmt: skip
+    assert results == ["a", "b"]
+    assert sorted(ran) == sorted([loop_thread, ran[1]]) and ran[1].startswith("kvsvc-copy-")
+    assert finalized == [(["a", "b"], None)]
+    assert engine.state_of("t1") == FINISHED and not engine.inflight
+    # Not loop-safe, or shares above LOOP_SHARE_MAX_BYTES: the copy threads alone.
+    ran.clear()
+    await engine.run("t2", "m", 8 << 20, None, [_recorder(ran)] * 2, lambda r, e: None)
+    big = 2 * LOOP_SHARE_MAX_BYTES + 2
+    await engine.run("t3", "m", big, None, [_recorder(ran)] * 2, lambda r, e: None, loop_safe=True)
+    assert len(ran) == 4 and all(n.startswith("kvsvc-copy-") for n in ran)
+    engine.shutdown()
+
+
+async def test_a_fence_waits_for_the_copy_threads_share_after_the_loop_did_its_own() -> None:
+    engine = TransferEngine(threads=2, inline_max_bytes=1 << 20)
+    loop_thread = threading.current_thread().name
+    release = threading.Event()
+    ran: list[str] = []
+
+    def slow() -> str:
+        release.wait(30)  # longer than the loop waits for it: the loop runs on
+        ran.append("copy thread's share ended")
+        return "b"
+
+    finalized: list[BaseException | None] = []
+    call = asyncio.ensure_future(
+        engine.run(
+            "t1",
+            "m",
+            8 << 20,
+            None,
+            [_recorder(ran, "a"), slow],
+            lambda r, e: finalized.append(e),
+            loop_safe=True,
+        )
+    )
+    for _ in range(3000):
+        if ran:
+            break
+        await asyncio.sleep(0.01)
+    assert ran == [loop_thread] and not call.done()
+    fence = asyncio.ensure_future(engine.fence("m", [], None))
+    await asyncio.sleep(0.2)
+    assert not fence.done() and engine.state_of("t1") != FINISHED
+    release.set()
+    assert await asyncio.wait_for(fence, 30) == (1, 0, [])
+    assert ran[-1] == "copy thread's share ended" and finalized == [None]
+    assert await asyncio.wait_for(call, 30) == ["a", "b"]
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("failing", ["loop's share", "copy thread's share"])
+async def test_a_failed_share_is_fatal_alike_on_the_loop_and_on_a_copy_thread(failing: str) -> None:
+    """The same typed error, state and health change wherever the failing piece ran,
+    and the copy is answered only once the other share has ended."""
+    engine = TransferEngine(threads=2, inline_max_bytes=1 << 20)
+    told: list[KVServiceError] = []
+    engine.on_fatal = told.append
+    ran: list[str] = []
+    finalized: list[tuple[object, BaseException | None]] = []
+
+    other_started = threading.Event()
+
+    def failing_task() -> None:
+        assert other_started.wait(30)  # a share that has begun runs to its end
+        raise RuntimeError("device error")
+
+    def other() -> None:
+        other_started.set()
+        time.sleep(0.3)
+        ran.append("other share ended")
+
+    tasks = [failing_task, other] if failing == "loop's share" else [other, failing_task]
+    with pytest.raises(FatalServerError) as ei:
+        await engine.run(
+            "t1", "m", 8 << 20, None, tasks, lambda r, e: finalized.append((r, e)), loop_safe=True
+        )
+    err = ei.value
+    assert err.reason == "TRANSFER_WORKER_FAILED" and err.transfer_state == FINISHED
+    assert ran == ["other share ended"] and finalized == [(None, err)]
+    assert engine.failed is err and told == [err]
+    assert engine.state_of("t1") == FINISHED and not engine.inflight
+    with pytest.raises(ServiceNotServing) as refused:
+        await engine.run("t2", "m", 8 << 20, None, [other] * 2, lambda r, e: None, loop_safe=True)
+    assert refused.value.transfer_state == NOT_STARTED and len(ran) == 1
+    engine.shutdown()
+
+
+async def test_a_raise_failpoint_fires_on_the_loops_share_a_blocking_one_never_does() -> None:
+    engine = TransferEngine(threads=2, inline_max_bytes=1 << 20)
+    loop_thread = threading.current_thread().name
+    told: list[KVServiceError] = []
+    engine.on_fatal = told.append
+    ran: list[str] = []
+    failpoints.load("transfer.after_copy=sleep(1)")  # would stall the loop: not there
+    try:
+        await engine.run("t1", "m", 8 << 20, None, [_recorder(ran)] * 2, lambda r, e: None,
+                         loop_safe=True)  # fmt: skip
+        assert all(n.startswith("kvsvc-copy-") for n in ran)
+        failpoints.load("transfer.after_copy=raise")  # fires after task 0: the loop's
+        ran.clear()
+        with pytest.raises(FatalServerError) as ei:
+            await engine.run("t2", "m", 8 << 20, None, [_recorder(ran)] * 2, lambda r, e: None,
+                             loop_safe=True)  # fmt: skip
+    finally:
+        failpoints.load("")
+    assert loop_thread in ran
+    assert ei.value.reason == "TRANSFER_WORKER_FAILED" and ei.value.transfer_state == FINISHED
+    assert "failpoint transfer.after_copy fired" in ei.value.message and told == [ei.value]
     engine.shutdown()

@@ -219,9 +219,68 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
     for (; len; len--) c = _mm_crc32_u8((uint32_t)c, *p++);
     return ~(uint32_t)c;
 }
+
+/* Non-temporal copies. A Store's chunk and a Retrieve's blocks are not read
+ * again soon, so their bytes go to memory without the read of every line they
+ * overwrite that a cached store costs first (a third of a copy's memory
+ * traffic), and a Store CRCs the very registers it writes, in one pass. */
+#define NT_MIN 4096 /* shorter copies: cached stores */
+#define NT_LOAD_MIN (4u << 20) /* a Retrieve's span streams from this size */
+
+/* d 64-byte aligned, len a multiple of 256 (at least 256): copy and CRC-32C. */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_fold_copy(
+    uint32_t crc, unsigned char *d, const unsigned char *p, size_t len) {
+    __m512i k2048 = _mm512_broadcast_i32x4(
+        _mm_set_epi64x((long long)fold_k[4][1], (long long)fold_k[4][0]));
+    __m512i k512 = _mm512_broadcast_i32x4(
+        _mm_set_epi64x((long long)fold_k[3][1], (long long)fold_k[3][0]));
+    __m512i x0 = _mm512_loadu_si512((const void *)p);
+    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+    _mm512_stream_si512((void *)d, x0);
+    _mm512_stream_si512((void *)(d + 64), x1);
+    _mm512_stream_si512((void *)(d + 128), x2);
+    _mm512_stream_si512((void *)(d + 192), x3);
+    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc)));
+    p += 256;
+    d += 256;
+    len -= 256;
+    for (; len >= 256; p += 256, d += 256, len -= 256) {
+        __m512i a = _mm512_loadu_si512((const void *)p);
+        __m512i b = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(p + 128));
+        __m512i e = _mm512_loadu_si512((const void *)(p + 192));
+        _mm512_stream_si512((void *)d, a);
+        _mm512_stream_si512((void *)(d + 64), b);
+        _mm512_stream_si512((void *)(d + 128), c);
+        _mm512_stream_si512((void *)(d + 192), e);
+        x0 = _mm512_xor_si512(fold512(x0, k2048), a);
+        x1 = _mm512_xor_si512(fold512(x1, k2048), b);
+        x2 = _mm512_xor_si512(fold512(x2, k2048), c);
+        x3 = _mm512_xor_si512(fold512(x3, k2048), e);
+    }
+    x1 = _mm512_xor_si512(x1, fold512(x0, k512));
+    x2 = _mm512_xor_si512(x2, fold512(x1, k512));
+    x3 = _mm512_xor_si512(x3, fold512(x2, k512));
+    __m128i y = _mm512_extracti32x4_epi32(x3, 3);
+    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 0), 2));
+    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 1), 1));
+    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 2), 0));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
+    return ~(uint32_t)c;
+}
+
+/* d 64-byte aligned, len a multiple of 64. */
+__attribute__((target("avx512f"))) static void stream_copy(unsigned char *d, const unsigned char *p,
+                                                          size_t len) {
+    for (; len; p += 64, d += 64, len -= 64)
+        _mm512_stream_si512((void *)d, _mm512_loadu_si512((const void *)p));
+}
 #endif
 
-static int hw, fold;
+static int hw, fold, nt;
 
 /* The paths the CRC runs on: 0 tables, 1 the crc32 instruction, 2 that and
  * VPCLMULQDQ folding for buffers of FOLD_MIN bytes and more. */
@@ -242,6 +301,7 @@ int kvsvc_crc32c_init(void) {
     }
 #endif
 #endif
+    nt = fold;
     return hw + fold;
 }
 
@@ -272,6 +332,50 @@ uint32_t kvsvc_crc32c_tables(uint32_t crc, const void *data, size_t len) {
     return crc_sw(crc, data, len);
 }
 
+/* Whether copies use non-temporal stores (only where the CRC folds: the Store's
+ * one-pass copy needs it); `on` 0 turns them off, for tests and benchmarks that
+ * compare both paths. Returns the path now used. */
+int kvsvc_copy_nt(int on) {
+    if (!ready) kvsvc_crc32c_init();
+    nt = on && fold;
+    return nt;
+}
+
+/* Copy n bytes into a chunk and carry `crc` over them (a Store). */
+static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, uint32_t crc,
+                            int stream) {
+    (void)stream;
+#ifdef HAVE_FOLD
+    if (stream && n >= NT_MIN) {
+        size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+        memcpy(d, p, head);
+        crc = kvsvc_crc32c(crc, d, head);
+        size_t mid = (n - head) & ~(size_t)255;
+        crc = crc_fold_copy(crc, d + head, p + head, mid);
+        memcpy(d + head + mid, p + head + mid, n - head - mid);
+        return kvsvc_crc32c(crc, d + head + mid, n - head - mid);
+    }
+#endif
+    memcpy(d, p, n);
+    return kvsvc_crc32c(crc, d, n);
+}
+
+/* Copy n checked bytes out of a chunk (a Retrieve). */
+static void load_piece(unsigned char *d, const unsigned char *p, size_t n, int stream) {
+    (void)stream;
+#ifdef HAVE_FOLD
+    if (stream && n >= NT_MIN) {
+        size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+        memcpy(d, p, head);
+        size_t mid = (n - head) & ~(size_t)63;
+        stream_copy(d + head, p + head, mid);
+        memcpy(d + head + mid, p + head + mid, n - head - mid);
+        return;
+    }
+#endif
+    memcpy(d, p, n);
+}
+
 /* One run of a copy plan: `n` bytes at `addr` in the engine's memory are chunk
  * bytes [pos, pos + n). */
 typedef struct {
@@ -294,6 +398,9 @@ typedef struct {
 long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
                          uint64_t hi, uint64_t seg, int to_store, uint32_t *digests,
                          uint32_t *got) {
+    /* A Store's chunk is written once and read much later: always streamed. A
+     * Retrieve's blocks are read by the engine next: a small one stays in cache. */
+    int stream = nt && (to_store || hi - lo >= NT_LOAD_MIN);
     size_t i = 0;
     while (i < nruns && runs[i].pos + runs[i].n <= lo) i++;
     for (uint64_t s = lo, k = 0; s < hi; s += seg, k++) {
@@ -303,6 +410,9 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
             uint32_t c = kvsvc_crc32c(0, chunk + s, e - s);
             if (c != digests[k]) {
                 *got = c;
+#ifdef HAVE_FOLD
+                if (stream) _mm_sfence();
+#endif
                 return (long)k;
             }
         }
@@ -313,19 +423,22 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
             unsigned char *eng = (unsigned char *)(uintptr_t)(r->addr + (a - r->pos));
             if (to_store) {
                 /* CRC each piece right behind its copy, while it is in L1 (the
-                 * segment's CRC runs on from piece to piece, in chunk order). */
+                 * segment's CRC runs on from piece to piece, in chunk order);
+                 * with non-temporal stores, of the registers it writes. */
                 for (uint64_t q = a; q < b; q += CHASE) {
                     uint64_t m = b - q < CHASE ? b - q : CHASE;
-                    memcpy(chunk + q, eng + (q - a), m);
-                    crc = kvsvc_crc32c(crc, chunk + q, m);
+                    crc = store_piece(chunk + q, eng + (q - a), m, crc, stream);
                 }
             } else {
-                memcpy(eng, chunk + a, b - a);
+                load_piece(eng, chunk + a, b - a, stream);
             }
             if (r->pos + r->n > e) break; /* the run goes on in the next segment */
             i++;
         }
         if (to_store) digests[k] = crc;
     }
+#ifdef HAVE_FOLD
+    if (stream) _mm_sfence(); /* the streamed bytes are in memory before the caller says so */
+#endif
     return -1;
 }

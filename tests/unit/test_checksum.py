@@ -140,3 +140,53 @@ def test_a_missing_or_broken_library_means_the_python_loop(tmp_path) -> None:
     bad = tmp_path / "bad.so"
     bad.write_bytes(b"not a shared object")
     assert copies.load_native(bad) is None
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["non-temporal", "cached"])
+def test_copies_at_every_alignment_agree_with_the_package(
+    native: copies.NativeCopy, streaming: bool
+) -> None:
+    """Both store paths (non-temporal stores with a one-pass CRC where the CPU folds,
+    cached stores elsewhere) land the same bytes and CRCs, and a Retrieve lands the
+    same bytes, for chunks and engine runs at every alignment and run lengths around
+    the non-temporal path's 64- and 256-byte steps and 4 KiB threshold (a Retrieve
+    streams only from 4 MiB a span: the engine reads a small one next)."""
+    if streaming and native.level < 2:
+        pytest.skip("this CPU does not fold the CRC: copies use cached stores only")
+    assert native.stream(streaming) == streaming
+    try:
+        # 4.6 MiB in all: a Retrieve of it streams too (from 4 MiB a span)
+        lengths = [1, 63, 4095, 4096, 4097, 4096 + 255, 40_000, 32768 + 64 + 7, 300_001, 4 << 20]
+        size = sum(lengths)
+        rng = np.random.default_rng(7)
+        for shift in (0, 1, 17, 63):
+            engine = np.frombuffer(bytearray(rng.bytes(size + 4096)), dtype=np.uint8)
+            base = engine.ctypes.data
+            rows, pos, gap = [], 0, shift
+            for n in lengths:  # runs at odd engine addresses, in chunk order
+                rows.append((base + gap, pos, n))
+                pos, gap = pos + n, gap + n + (shift or 5)
+            runs = np.array(rows[: sum(1 for r in rows if r[0] + r[2] <= base + len(engine))],
+                            dtype=np.uint64)  # fmt: skip
+            total = int(runs[-1][1] + runs[-1][2])
+            room = np.zeros(total + 64 + shift, dtype=np.uint8)
+            chunk = room[shift : shift + total]  # a chunk at an odd address too
+            nseg = copies.segment_count(total)
+            digests = (ctypes.c_uint32 * nseg)()
+            assert native.copy(runs, chunk.ctypes.data, 0, total, digests, to_store=True) == (
+                -1, 0,
+            )  # fmt: skip
+            want = b"".join(engine[a - base : a - base + n].tobytes() for a, _, n in runs)
+            assert chunk.tobytes() == want, shift
+            segs = copies.segments(total)
+            assert list(digests) == [copies.checksum(want[lo:hi]) for lo, hi in segs], shift
+            out = np.zeros_like(engine)
+            back = np.array([(out.ctypes.data + a - base, p, n) for a, p, n in runs.tolist()],
+                            dtype=np.uint64)  # fmt: skip
+            assert native.copy(back, chunk.ctypes.data, 0, total, digests, to_store=False) == (
+                -1, 0,
+            )  # fmt: skip
+            for a, _, n in runs:
+                assert np.array_equal(out[a - base : a - base + n], engine[a - base : a - base + n])
+    finally:
+        native.stream(True)

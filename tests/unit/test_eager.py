@@ -1,15 +1,17 @@
 """kvsvc.server.eager: a Session request that never waits is answered in the
 reader's own step; one that waits goes on in a task exactly as if it had been a
-task from the start (its context, its cancellation, its errors)."""
+task from the start (its context, its cancellation, its errors). The wrapper's
+deadline (``_Within``) keeps to the same rules, and bounds what waits."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 
 import pytest
 
-from kvsvc.server import eager
+from kvsvc.server import _Within, eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="outer")
 
@@ -83,3 +85,78 @@ def test_an_error_after_the_wait_reaches_whoever_awaits_the_rest() -> None:
 
 async def _await(rest: object) -> object:
     return await rest  # type: ignore[misc]
+
+
+def test_within_a_coroutine_that_never_waits_makes_no_task() -> None:
+    async def go() -> str:
+        before = len(asyncio.all_tasks())
+        made: list[int] = []
+
+        async def no_wait_counting() -> str:
+            made.append(len(asyncio.all_tasks()))
+            return await no_wait()
+
+        value = await _Within(no_wait_counting(), time.monotonic() + 10)
+        assert made == [before] and VAR.get() == "outer"  # its context was its own
+        return value
+
+    assert asyncio.run(go()) == "done"
+
+
+def test_within_one_that_waits_goes_on_in_its_own_context() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        asyncio.get_running_loop().call_later(0.01, gate.set)
+        assert await _Within(waits(gate, trace), time.monotonic() + 10) == "done"
+        assert VAR.get() == "outer"
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "second step sees inner", "finally"]
+
+
+@pytest.mark.parametrize("first_step", ["quick", "past the deadline"])
+def test_within_one_that_waits_past_the_deadline_is_cancelled_where_it_waits(
+    first_step: str,
+) -> None:
+    """Also when its first step used up the time: it is told all the same."""
+
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+
+        async def coro() -> str:
+            if first_step != "quick":
+                time.sleep(0.06)
+            return await waits(gate, trace)
+
+        with pytest.raises(asyncio.TimeoutError):
+            await _Within(coro(), time.monotonic() + 0.05)
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "finally"]
+
+
+def test_within_cancelling_the_caller_cancels_the_coroutine_where_it_waits() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+
+        async def caller() -> object:
+            return await _Within(waits(gate, trace), time.monotonic() + 10)
+
+        task = asyncio.get_running_loop().create_task(caller())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "finally"]
+
+
+def test_within_no_time_left_is_a_timeout_before_the_first_step() -> None:
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        with pytest.raises(asyncio.TimeoutError):
+            await _Within(waits(gate, trace), time.monotonic() - 1)
+        return trace
+
+    assert asyncio.run(go()) == []
