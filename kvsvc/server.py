@@ -807,8 +807,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             if reader.done() and not pending and not ended.done():
                 ended.set_result(None)
 
-        async def answer(rest: Awaitable[pb.SessionResponse]) -> None:
-            outbox.append(await rest)
+        async def post(response: pb.SessionResponse) -> None:
+            outbox.append(response)
             await flush()
 
         async def read() -> None:
@@ -826,7 +826,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                     if done:
                         outbox.append(value)
                     else:
-                        task = self.loop.create_task(answer(value), context=ctx)
+                        value.then = post  # one task: the request's rest, then its answer
+                        task = self.loop.create_task(value, context=ctx)
                         pending.add(task)
                         task.add_done_callback(finished)
                     if i % SESSION_BATCH_TURN == 0:  # a big batch lets other calls run
@@ -959,14 +960,14 @@ def _timestamp(t: float) -> timestamp_pb2.Timestamp:
 def eager(coro: Coroutine[Any, Any, R]) -> tuple[bool, Any, contextvars.Context]:
     """Runs a coroutine's first step now, in a context of its own, as Python 3.12's
     eager tasks do: ``(True, result, ctx)`` when it finished without waiting (no
-    task, no trip through the loop), else ``(False, rest, ctx)``: an awaitable
-    that continues it, to be run in ``ctx``."""
+    task, no trip through the loop), else ``(False, rest, ctx)``: a ``_Resumed``
+    that continues it (awaited, or run by a task), to be run in ``ctx``."""
     ctx = contextvars.copy_context()
     try:
         first = ctx.run(coro.send, None)
     except StopIteration as stop:
         return True, stop.value, ctx
-    return False, _Rest(coro, first), ctx
+    return False, _Resumed(coro, first), ctx
 
 
 class _Rest:
@@ -1031,23 +1032,38 @@ class _Within:
 class _Resumed(collections.abc.Coroutine[Any, Any, Any]):
     """The rest of ``coro``, whose first step yielded ``first``, as a coroutine a task
     runs: the task's first step hands it ``first``; whatever is thrown in (a cancel,
-    even one before that step) reaches ``coro`` where it waits."""
+    even one before that step) reaches ``coro`` where it waits. Run by a task, it
+    goes on with ``then(result)``'s coroutine when ``coro`` returns (one task for
+    both: a cancel before the task's first step still reaches ``coro``, which an
+    ``async def`` wrapper awaiting it would never have started to await)."""
 
-    __slots__ = ("coro", "first")
+    __slots__ = ("coro", "first", "then")
     _SENT = object()
 
     def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
         self.coro, self.first = coro, first
+        self.then: Callable[[Any], Coroutine[Any, Any, Any]] | None = None
 
     def send(self, value: Any) -> Any:
         if self.first is not self._SENT:
             first, self.first = self.first, self._SENT
             return first
-        return self.coro.send(value)
+        return self._step(self.coro.send, value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         self.first = self._SENT
-        return self.coro.throw(typ) if val is None and tb is None else self.coro.throw(typ, val, tb)
+        if val is None and tb is None:
+            return self._step(self.coro.throw, typ)
+        return self._step(lambda _: self.coro.throw(typ, val, tb), None)
+
+    def _step(self, step: Callable[[Any], Any], arg: Any) -> Any:
+        try:
+            return step(arg)
+        except StopIteration as stop:
+            if self.then is None:
+                raise
+            self.coro, self.then = self.then(stop.value), None
+            return self.coro.send(None)
 
     def close(self) -> None:
         self.coro.close()

@@ -83,6 +83,56 @@ def test_an_error_after_the_wait_reaches_whoever_awaits_the_rest() -> None:
     asyncio.run(go())
 
 
+async def waits_and_tells(gate: asyncio.Event, trace: list[str]) -> str:
+    trace.append("first step")
+    try:
+        await gate.wait()
+    except BaseException as exc:
+        trace.append(type(exc).__name__)  # what a handler sees where it waits
+        raise
+    return "done"
+
+
+def test_the_rest_run_by_a_task_goes_on_with_then_in_the_same_task() -> None:
+    async def go() -> tuple[object, list[str]]:
+        gate, trace = asyncio.Event(), []
+        _, rest, ctx = eager(waits_and_tells(gate, trace))
+
+        async def post(value: str) -> str:
+            trace.append(f"posted {value}")
+            return "answered"
+
+        rest.then = post
+        task = asyncio.get_running_loop().create_task(rest, context=ctx)
+        await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.wait_for(task, 10), trace
+
+    assert asyncio.run(go()) == ("answered", ["first step", "posted done"])
+
+
+def test_a_task_cancelled_before_its_first_step_cancels_the_coroutine_where_it_waits() -> None:
+    """The Session's pending answers are cancelled when its stream ends, maybe before
+    their task ran once: the request must see CancelledError where it waits (its
+    handler's cancel path), not a GeneratorExit when it is garbage collected."""
+
+    async def go() -> list[str]:
+        gate, trace = asyncio.Event(), []
+        _, rest, ctx = eager(waits_and_tells(gate, trace))
+
+        async def post(value: str) -> None:
+            trace.append("posted")
+
+        rest.then = post
+        task = asyncio.get_running_loop().create_task(rest, context=ctx)
+        task.cancel()  # before its first step
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        return trace
+
+    assert asyncio.run(go()) == ["first step", "CancelledError"]
+
+
 async def _await(rest: object) -> object:
     return await rest  # type: ignore[misc]
 
