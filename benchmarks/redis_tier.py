@@ -44,6 +44,7 @@ from kvsvc.client import KVCacheClient
 from kvsvc.config import REMOTE_WRITERS
 from kvsvc.kvcache import SharedKVCache
 from kvsvc.remote import value_connection_settings
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 sys.path.insert(0, str(REPO / "tests"))
 from redis_servers import RedisServer, free_port
@@ -61,9 +62,14 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
-def cache(shm: str, name: str, blocks: int) -> SharedKVCache:
+def cache(shm: str, name: str, blocks: int, memfd: bool = False) -> SharedKVCache:
     return SharedKVCache(name, num_layers=LAYERS, num_blocks=blocks, block_size=16, kv_heads=8,
-                         head_dim=128, shm_dir=shm)  # fmt: skip
+                         head_dim=128, shm_dir=shm, memfd=memfd)  # fmt: skip
+
+
+def region(client: KVCacheClient, kv: SharedKVCache, memfd: bool) -> pb.RankRegion:
+    """The engine's region as the Map sends it (a sealed memfd is registered first)."""
+    return kv.rank_region(token=client.register_memfd(kv.fd) if memfd else "")
 
 
 def node(shm: str, remote: str, metrics: int = 0, cwd: str | None = None) -> KvsvcServer:
@@ -163,6 +169,7 @@ def tier_round(
     tag: str,
     behind: list[float],
     cwd: str | None = None,
+    memfd: bool = False,
 ) -> tuple[float, float]:
     """Seconds from Store to the last write acknowledged, and of the Retrieve on B;
     appends to ``behind`` the seconds from the Store's reply to the last write."""
@@ -171,7 +178,7 @@ def tier_round(
     port, port_b = free_port(), free_port()
     a = node(shm, rs.url, port, cwd)
     b = node(shm, rs.url, port_b, cwd)
-    src, dst = cache(shm, f"src-{tag}", blocks), cache(shm, f"dst-{tag}", blocks)
+    src, dst = cache(shm, f"src-{tag}", blocks, memfd), cache(shm, f"dst-{tag}", blocks, memfd)
     try:
         src.buffer.random_(0, 256)
         chunks = [
@@ -179,8 +186,8 @@ def tier_round(
             for i in range(n)
         ]
         with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
-            ma = ca.map("bench", [src.rank_region()])
-            mb = cb.map("bench", [dst.rank_region()])
+            ma = ca.map("bench", [region(ca, src, memfd)])
+            mb = cb.map("bench", [region(cb, dst, memfd)])
             want = float(n * chunk_mib * MiB)
             t0 = time.perf_counter()
             ca.store(ma, chunks, timeout=120)
@@ -362,6 +369,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lookups", type=int, default=2000, help="Lookups per case, all rounds")
     p.add_argument("--lookups-only", action="store_true", help="skip the throughput rounds")
+    p.add_argument("--region", choices=("file", "memfd"), default="file",
+                   help="the engines' KV regions: shm files (the default cache) or sealed "
+                        "memfds (the vLLM connector's)")  # fmt: skip
     p.add_argument("--baseline-src", default="", help="another checkout: its Lookup too")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvsvc-redis-bench-"))
@@ -403,8 +413,9 @@ def main() -> int:
                         behind: list[float] = []
                         cwd = args.baseline_src if target == "base" else None
                         s, g = tier_round(
-                            rs, shm, chunk_mib, n, f"{target}{chunk_mib}r{rnd}", behind, cwd
-                        )
+                            rs, shm, chunk_mib, n, f"{target}{chunk_mib}r{rnd}", behind, cwd,
+                            args.region == "memfd",
+                        )  # fmt: skip
                         res.setdefault(f"{target} behind", []).append(behind[0])
                     res.setdefault(f"{target} set", []).append(s)
                     res.setdefault(f"{target} get", []).append(g)
@@ -439,7 +450,8 @@ def main() -> int:
                          f"{gbs['raw get']:.2f}", spread(get_ratio)])  # fmt: skip
         if rows:
             print(f"\nThroughput, GB/s (median of {args.rounds} rounds, "
-                  f"{args.total_mib} MiB each); ratio: per round, median (min-max):\n")  # fmt: skip
+                  f"{args.total_mib} MiB each, engines' regions: {args.region}); "
+                  "ratio: per round, median (min-max):\n")  # fmt: skip
             print(md_table(["chunks", "load1", "Store→Redis", "raw pipelined SET", "ratio",
                             "after the reply", "Retrieve←Redis", "raw pipelined GET", "ratio"],
                            rows))  # fmt: skip
