@@ -859,19 +859,28 @@ class RemoteTier:
             else:  # failed or cut off: never reused mid-reply
                 await conn.disconnect(nowait=True)
 
-    async def fetch(self, namespace: str, layout: str, keys: list[bytes], budget: float) -> int:
+    async def fetch(
+        self,
+        namespace: str,
+        layout: str,
+        keys: list[bytes],
+        budget: float,
+        on_commit: Callable[[], None] | None = None,
+    ) -> int:
         """Bring ``keys`` missing from the local store, verified, from Redis into it up
         to the first miss (reserved as a Store reserves; a refused reservation is a
         miss). Returns how many were loaded. One pipelined GET round trip (and one
         more for the parts of values split above --remote-value-bytes); the replies
         are copied in by groups of about REMOTE_FETCH_GROUP_BYTES as they arrive, so
-        the copy of one group overlaps the reading of the next."""
+        the copy of one group overlaps the reading of the next. ``on_commit`` is
+        called on the loop each time more leading keys were committed (a Retrieve
+        starts copying them into the engine's blocks then)."""
         keys = [k for k in keys if self.store.get(namespace, k, layout) is None]
         if not keys:
             return 0
         started = time.monotonic()
         rkeys = redis_keys(self.prefix, namespace, layout, keys)
-        run = _Fetch(self, namespace, layout, keys)
+        run = _Fetch(self, namespace, layout, keys, on_commit)
         fut = self._submit(lambda r: self._stream(r, rkeys, layout, run.deliver, run.stop))
         if fut is None:
             self.misses += len(keys)
@@ -1027,8 +1036,16 @@ class _Fetch:
     caller does meanwhile. Committed chunks stay read-pinned until the fetch ends,
     so a later group's reservation cannot evict an earlier one."""
 
-    def __init__(self, tier: RemoteTier, namespace: str, layout: str, keys: list[bytes]) -> None:
+    def __init__(
+        self,
+        tier: RemoteTier,
+        namespace: str,
+        layout: str,
+        keys: list[bytes],
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
         self.tier, self.namespace, self.layout, self.keys = tier, namespace, layout, keys
+        self.on_commit = on_commit
         self.stop = threading.Event()  # set: the reader reads no more replies
         self.good = 0  # leading keys loaded (or committed meanwhile by another call)
         self.loaded_bytes = 0
@@ -1086,6 +1103,7 @@ class _Fetch:
     def _settle(self) -> None:
         """Commit (or free) the groups whose copies ended, in key order."""
         store = self.tier.store
+        good = self.good
         while self._groups and self._groups[0][3].done():
             count, todo, pairs, copy = self._groups.pop(0)
             verified: list[bool] = []
@@ -1111,6 +1129,8 @@ class _Fetch:
                     self._pinned.append(chunk)
                     self.loaded_bytes += value.size
                 self.good += 1
+        if self.good > good and self.on_commit is not None:
+            self.on_commit()
         self._finish_if_over()
 
     def _finish_if_over(self) -> None:

@@ -61,8 +61,8 @@ from kvsvc.metrics import Metrics
 from kvsvc.regions import Mapping, RankMapping, open_rank
 from kvsvc.remote import RemoteTier
 from kvsvc.session import SESSION_BATCH, batched, speaks_batches
-from kvsvc.store import INLINE_LAYOUT, ChunkStore
-from kvsvc.transfer import TransferEngine, reply_budget
+from kvsvc.store import INLINE_LAYOUT, Chunk, ChunkStore
+from kvsvc.transfer import Stream, TransferEngine, reply_budget
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -656,13 +656,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
         if self.remote is not None and len(chunks) < len(keys):
-            # Keys missing here come from Redis into the store first (a miss if not).
-            loaded = await self.remote.fetch(
-                namespace, layout, keys[len(chunks) :], reply_budget(call.deadline) / 2
-            )
-            if loaded:
-                self.store.release(chunks)
-                chunks = self.store.acquire_prefix(namespace, keys, layout)
+            return await self._retrieve_remote(call, namespace, layout, mapping_id, sides, chunks)
         try:
             for ci, chunk in enumerate(chunks):
                 sides[ci][1].check(chunk.size, ci)
@@ -693,6 +687,105 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         result.loaded_chunks = len(chunks)
         result.loaded_bytes = nbytes
         for (key, side), _ in zip(sides, chunks, strict=False):
+            if isinstance(side, Inline):
+                result.chunks.add(key=key, data=bytes(side.out))
+        return response
+
+    async def _retrieve_remote(
+        self,
+        call: Call,
+        namespace: str,
+        layout: str,
+        mapping_id: str,
+        sides: list[tuple[bytes, Side]],
+        chunks: list[Chunk],
+    ) -> pb.RetrieveResponse:
+        """A Retrieve with keys missing here: they come from Redis into the store by
+        groups (a miss if not), and the copy of each committed group into the
+        engine's side starts at once, in key order, while later groups are read (one
+        streamed transfer under the call's id: Fence waits for all of it); the local
+        prefix is copied meanwhile. The reply counts the parts that were copied: a
+        prefix, since a part that cannot start (the deadline) ends it."""
+        assert self.remote is not None
+        keys = [k for k, _ in sides]
+        stream: Stream | None = None
+        loaded: list[Chunk] = []  # handed to the stream, in key order
+        failure: BaseException | None = None  # raised once no part runs
+        over = False  # no more parts: refused, failed, or the call ended
+        t0 = time.perf_counter()
+
+        def extend() -> None:
+            """On the loop: copy the chunks committed since the last part."""
+            nonlocal stream, failure, over
+            if over:
+                return
+            part = self.store.acquire_prefix(namespace, keys[len(loaded) :], layout)
+            if not part:
+                return
+            try:
+                for i, chunk in enumerate(part, len(loaded)):
+                    sides[i][1].check(chunk.size, i)
+                pieces = [
+                    piece
+                    for i, chunk in enumerate(part, len(loaded))
+                    for piece in sides[i][1].pieces(self.store.buffer(chunk), i, to_store=False)
+                ]
+            except Exception as exc:  # noqa: BLE001 - raised by the handler, after the copies
+                self.store.release(part)
+                failure, over = exc, True
+                return
+            nbytes = sum(c.size for c in part)
+            todo = tasks(pieces, nbytes, self.config.transfer_threads)
+            done = functools.partial(_release, self.store, part)
+            if stream is None:
+                call.started = True
+                try:
+                    stream = self.engine.stream(
+                        call.key, mapping_id, call.deadline, nbytes, todo, done
+                    )
+                except Exception as exc:  # noqa: BLE001 - raised by the handler
+                    call.started = getattr(exc, "transfer_state", None) != NOT_STARTED
+                    failure, over = exc, True
+                    return
+            elif not stream.add(nbytes, todo, done):
+                over = True
+                return
+            loaded.extend(part)
+
+        try:
+            self.store.release(chunks)  # extend pins them again, checked
+            extend()
+            if not over:
+                await self.remote.fetch(
+                    namespace,
+                    layout,
+                    keys[len(loaded) :],
+                    reply_budget(call.deadline) / 2,
+                    extend,
+                )
+                extend()  # keys committed meanwhile by others
+        except BaseException:  # cancelled (the deadline, the client): no part starts now
+            over = True
+            if stream is not None:
+                stream.abandon()
+            raise
+        over = True
+        if stream is not None:
+            if failure is not None:
+                stream.fail(failure)
+            await stream.end()
+        elif failure is not None:
+            raise failure
+        response = pb.RetrieveResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
+        if loaded:
+            nbytes = sum(c.size for c in loaded)
+            self.metrics.observe_transfer("retrieve", nbytes, time.perf_counter() - t0)
+            result.loaded_chunks = len(loaded)
+            result.loaded_bytes = nbytes
+        for key, side in sides[: len(loaded)]:
             if isinstance(side, Inline):
                 result.chunks.add(key=key, data=bytes(side.out))
         return response
@@ -913,6 +1006,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 def _ranks_descriptor(request: pb.MapRequest) -> bytes:
     key = pb.MapRequest(namespace=request.namespace, ranks=request.ranks)
     return key.SerializeToString(deterministic=True)
+
+
+def _release(store: ChunkStore, chunks: list[Chunk], *_: object) -> None:
+    """A part's finalize: its chunks are no longer read."""
+    store.release(chunks)
 
 
 def _quota_exceeded(tenant: Tenant, quota: str, used: int, limit: int) -> CapacityExhausted:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -568,6 +569,30 @@ class TransferEngine:
         still = [tid for tid, t in waiting.items() if not t.done.done()]
         return len(waiting) - len(still), barred, still
 
+    def stream(
+        self,
+        transfer_id: str,
+        mapping_id: str,
+        deadline: float | None,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> Stream:
+        """A copy whose later parts are added while it runs (``Stream``), started with
+        its first part, which is admitted as ``run`` admits a copy (refused:
+        raised NOT_STARTED, ``finalize(None, error)`` called)."""
+        try:
+            self._admit(transfer_id, deadline, nbytes)
+        except BaseException as exc:
+            finalize(None, exc)
+            raise
+        loop = asyncio.get_running_loop()
+        transfer = Transfer(transfer_id, mapping_id, 0, loop.create_future(), loop.create_future())
+        self.inflight[transfer_id] = transfer
+        stream = Stream(self, transfer, deadline)
+        stream._start(nbytes, tasks, finalize)
+        return stream
+
     def stalled(self, stall_timeout: float) -> list[tuple[str, str, float]]:
         """(thread, transfer id, seconds) of copy pieces running past ``stall_timeout``."""
         now = time.monotonic()
@@ -582,3 +607,156 @@ class TransferEngine:
 
     def shutdown(self) -> None:
         self._workers.shutdown()
+
+
+class Stream:
+    """One copy whose pieces come in parts while it runs (a Retrieve whose chunks
+    arrive from Redis group by group; ``TransferEngine.stream``): one transfer id
+    and one ``Transfer`` in flight, which Fence waits for, from the first part
+    until the last piece of the last part has ended. Parts run on the copy
+    threads (queued in order) and each is admitted on the loop when added: once
+    one is refused (closed, the deadline cannot fit it, an earlier part failed,
+    a fatal failure) no later one starts, so the parts that ran are a prefix."""
+
+    def __init__(self, engine: TransferEngine, transfer: Transfer, deadline: float | None) -> None:
+        self._engine = engine
+        self.transfer = transfer
+        self._deadline = deadline
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._running = 0  # parts with pieces that have not ended
+        self._closed = False
+        self._first = True  # the next piece to run is the transfer's first
+        self.error: BaseException | None = None  # the first failure: raised by end()
+        self.refused: KVServiceError | None = None  # why the last part did not start
+
+    def add(
+        self,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> bool:
+        """On the loop: queue the next part; ``finalize(results, error)`` runs on the
+        loop once when its pieces have all ended, or now when it is refused (False;
+        ``refused`` says why when the deadline cannot fit it, ``error`` after a
+        fatal failure)."""
+        engine = self._engine
+        if not self._closed and self.error is None and self.refused is None:
+            if engine.failed is not None:
+                self.error = engine._refusal(FINISHED)
+            else:
+                try:
+                    engine.check_deadline(self._deadline, nbytes)
+                except KVServiceError as exc:
+                    self.refused = exc
+        if self._closed or self.error is not None or self.refused is not None:
+            finalize(None, self.error or self.refused)
+            return False
+        self._start(nbytes, tasks, finalize)
+        return True
+
+    def _start(
+        self,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> None:
+        engine, transfer = self._engine, self.transfer
+        transfer.nbytes += nbytes
+        pending = [len(tasks)]
+        started = [0.0]
+
+        def work(task: Callable[[], T]) -> T:
+            with self._lock:
+                if engine.failed is not None:
+                    raise engine._refusal(FINISHED if transfer.started_at else NOT_STARTED)
+                first, self._first = self._first, False
+                if not started[0]:
+                    started[0] = time.monotonic()
+                if first:
+                    transfer.started_at = started[0]
+                    transfer.thread = threading.current_thread().name
+            try:
+                if first:
+                    failpoints.hit("transfer.before_copy")
+                result = task()
+                if first:
+                    failpoints.hit("transfer.after_copy")
+                return result
+            except Exception as exc:
+                error = engine._copy_failed(exc, transfer.transfer_id)
+                if error is exc:
+                    raise
+                raise error from exc
+
+        def part_done() -> None:
+            results, error = engine._collect(futures, transfer)
+            try:
+                finalize(results, error)
+            finally:
+                if error is not None:
+                    self.error = self.error or error
+                elif started[0]:
+                    engine.rate.observe(nbytes, time.monotonic() - started[0])
+                self._running -= 1
+                self._finish_if_over()
+
+        def piece_done(fut: concurrent.futures.Future[T]) -> None:
+            with self._lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                self._loop.call_soon_threadsafe(part_done)
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, KVServiceError) and exc.fatal:
+                engine.on_fatal(exc)
+
+        self._running += 1
+        futures = [
+            engine._workers.submit(functools.partial(work, t), transfer.transfer_id) for t in tasks
+        ]
+        self._futures += futures
+        for f in futures:
+            f.add_done_callback(piece_done)
+
+    def _finish_if_over(self) -> None:
+        transfer = self.transfer
+        if self._closed and not self._running and not transfer.done.done():
+            del self._engine.inflight[transfer.transfer_id]
+            self._engine._remember(self._engine._completed, transfer.transfer_id)
+            transfer.done.set_result(None)
+            if not transfer.reply.done():
+                transfer.reply.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        """No part starts after this; end() raises ``exc`` (unless a part failed first)."""
+        self.error = self.error or exc
+
+    def close(self) -> None:
+        """No part is added after this; the transfer ends with its last piece."""
+        self._closed = True
+        self._finish_if_over()
+
+    def abandon(self) -> None:
+        """The call ended (cancelled): queued pieces never start; running ones are
+        tracked until they end, for Fence."""
+        self.close()
+        if not all([f.cancel() for f in self._futures if not f.done()]):
+            self.transfer.abandoned = True
+            log.warning(
+                "transfer %s outlived its call; tracked until it ends", self.transfer.transfer_id
+            )
+
+    async def end(self) -> None:
+        """Close, and wait until every part has ended; raises the first failure."""
+        self.close()
+        try:
+            await self.transfer.reply
+        except asyncio.CancelledError:
+            self.abandon()
+            raise
+        if self.transfer.failure is not None:
+            raise self.transfer.failure
+        if self.error is not None:
+            raise self.error

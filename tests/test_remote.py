@@ -452,9 +452,74 @@ def test_redis_lost_during_a_grouped_fetch_answers_in_time(
             for x, y in zip(blocks(src, list(range(n))), blocks(dst, list(range(n))), strict=True)
         )
         assert cb.server_info().stored_chunks == n
+        assert all(  # the blocks of the chunks not loaded were never written
+            not x.any() for x in blocks(dst, list(range(n, 16)))
+        )
         errors = tier(b).errors
         assert errors.get("connection", 0) + errors.get("timeout", 0) >= 1, errors
         assert health_status(b.address) == SERVING
+
+
+def test_blocks_are_loaded_group_by_group_while_later_ones_are_read(
+    node, redis_server, monkeypatch
+) -> None:
+    """A Retrieve from Redis starts copying each committed group into the engine's
+    blocks while later replies are still to come: with Redis frozen after the first
+    group, that group's blocks are already loaded (bit-exact) and the copy is one
+    transfer in flight (Fence would wait for it);
+    Redis thawed, the Retrieve loads every chunk bit-exact."""
+    a, shm_a = node("a", redis_server.url, store_bytes=128 << 20, remote_timeout=30.0)
+    b, shm_b = node("b", redis_server.url, remote_timeout=30.0)
+    src, dst = big_cache(shm_a, "src", seed=13), big_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        chunks = [(b"grp-%02d" % i, [i]) for i in range(16)]
+        for half in (chunks[:8], chunks[8:]):  # within A's write queue (a quarter of 128 MiB)
+            written = tier(a).writes
+            assert ca.store(ma, half).stored_chunks == 8
+            wait_for("written", lambda w=written: tier(a).writes == w + 8)
+        monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 1)  # a group per value
+        deliver = remote_module._Fetch.deliver
+        frozen = threading.Event()
+
+        def freeze_after_the_first(self, values: list) -> None:
+            deliver(self, values)
+            if values and not frozen.is_set():  # on the reader thread: it reads no more first
+                frozen.set()
+                redis_server.stop_process()
+
+        monkeypatch.setattr(remote_module._Fetch, "deliver", freeze_after_the_first)
+        engine = b.server.servicer.engine
+        out: list = []
+        retrieving = threading.Thread(
+            target=lambda: out.append(cb.retrieve(mb, chunks, timeout=60)), daemon=True
+        )
+        try:
+            retrieving.start()
+            wait_for("Redis frozen", frozen.is_set)
+            # The Retrieve cannot end while Redis is frozen (its budget is 30 s):
+            # the first group is in the blocks already.
+            wait_for(
+                "the first group in the blocks",
+                lambda: all(
+                    torch.equal(x, y)
+                    for x, y in zip(blocks(src, [0]), blocks(dst, [0]), strict=True)
+                ),
+            )
+            assert not out
+            running = [t for t in list(engine.inflight.values()) if t.mapping_id == mb.mapping_id]
+            assert len(running) == 1 and running[0].started_at > 0
+        finally:
+            redis_server.continue_process()
+        retrieving.join(60)
+        assert out and out[0].loaded_chunks == 16, out
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(blocks(src, list(range(16))), blocks(dst, list(range(16))), strict=True)
+        )
+        assert not engine.inflight
+        assert tier(b).hits == 16 and health_status(b.address) == SERVING
 
 
 # --- credentials ----------------------------------------------------------------
