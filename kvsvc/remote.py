@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import hiredis
 import numpy as np
 import redis
 import redis.asyncio as aredis
@@ -56,7 +57,7 @@ import redis.exceptions as rx
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import Encoder, PythonRespSerializer
+from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 from redis.retry import Retry
 
 from kvsvc import copies, failpoints
@@ -460,7 +461,7 @@ class RemoteTier:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._aclient: Any = None  # used on the loop only
-        self._idle: list[Any] = []  # its idle connections (standalone Redis)
+        self._links: list[_Link] = []  # Lookup's idle connections (standalone Redis)
         self._asking = 0  # asyncio exchanges in flight
         # counters (kvsvc.metrics reads them; updated under _stats_lock off the loop)
         self._stats_lock = threading.Lock()
@@ -535,11 +536,11 @@ class RemoteTier:
         """close(), and the loop's connections (Lookup's), within --remote-timeout."""
         self.close()
         client, self._aclient = self._aclient, None
-        idle, self._idle = self._idle, []
+        links, self._links = self._links, []
+        for link in links:
+            link.close()
         if client is not None:
             try:
-                for conn in idle:
-                    await conn.disconnect(nowait=True)
                 await asyncio.wait_for(client.aclose(), self.timeout)
             except Exception as exc:  # noqa: BLE001 - closing: the sockets go anyway
                 log.debug("remote tier: closing the asyncio client: %s", exc)
@@ -773,11 +774,19 @@ class RemoteTier:
 
     async def _ask(self, rkeys: list[bytes], budget: float) -> list[int] | None:
         """EXISTS of each key, or None: skipped, failed or over budget. The exchange
-        is a task bounded by --remote-timeout; past the budget the caller goes on
-        and the task ends by itself (its outcome still feeds the breaker), so a
-        cut-off read never leaves a connection mid-reply."""
+        is bounded by --remote-timeout; past the budget the caller goes on and the
+        exchange ends by itself (its outcome still feeds the breaker), so a
+        cut-off read never leaves a connection mid-reply. On an idle link
+        (standalone Redis) it is a write and a callback (``_exchange``); otherwise
+        (connecting, Redis Cluster) a task."""
         if self._turned_away(self._asking):
             return None
+        link = self._idle_link()
+        if link is not None:
+            if self._refused():
+                self._links.append(link)
+                return None
+            return await self._exchange(link, rkeys, budget)
         self._asking += 1
         task = self.loop.create_task(self._acall(rkeys))
         # A bare future woken by the task or the budget's timer: what wait_for does,
@@ -808,6 +817,89 @@ class RemoteTier:
     def _done_asking(self, _task: asyncio.Task[list[int]]) -> None:
         self._asking -= 1
 
+    def _idle_link(self) -> _Link | None:
+        while self._links:
+            link = self._links.pop()
+            if not link.closed:
+                return link
+        return None
+
+    async def _exchange(self, link: _Link, rkeys: list[bytes], budget: float) -> list[int] | None:
+        """One EXISTS round trip on an idle link, in the caller's task: one future and
+        one timer (the budget's, then the rest of --remote-timeout's); the link's
+        callback ends it, whether or not the caller still waits."""
+        loop = self.loop
+        self._asking += 1
+        waiter: asyncio.Future[list[int] | None] = loop.create_future()
+        start = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def end(outcome: list[Any] | BaseException) -> None:
+            if timer is not None:
+                timer.cancel()
+            self._asking -= 1
+            found: list[int] | None = None
+            try:
+                found = _checked(outcome)
+            except Exception as exc:  # noqa: BLE001 - a Redis failure is a miss, counted
+                link.close()
+                self._failed(exc)
+            else:
+                self.breaker.success()
+                self._links.append(link)
+            if not waiter.done():
+                waiter.set_result(found)
+
+        def over() -> None:
+            link.fail(rx.TimeoutError(f"Timeout reading from {self.where}"))
+
+        def late() -> None:
+            nonlocal timer
+            timer = loop.call_at(start + self.timeout, over)
+            if not waiter.done():
+                self._count(self.errors, "budget")
+                waiter.set_result(None)
+
+        if budget < self.timeout:
+            timer = loop.call_at(start + max(budget, 0.0), late)
+        else:
+            timer = loop.call_at(start + self.timeout, over)
+        link.send([("EXISTS", k) for k in rkeys], end)
+        return await waiter  # cancelled: the exchange ends by itself
+
+    def _failed(self, exc: BaseException) -> None:
+        """A failed exchange on the loop: counted, fed to the breaker, logged (rate-limited)."""
+        self._count_error(exc)
+        self.breaker.failure()
+        _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+
+    async def _link(self) -> _Link:
+        """A new link, connected and authenticated as redis-py would (its reading of
+        the URL and TLS settings; AUTH, SELECT); the caller bounds it."""
+        conn = self._aredis().connection_pool.make_connection()
+        ssl_context = conn.ssl_context.get() if isinstance(conn, aredis.SSLConnection) else None
+        link = _Link()
+        await self.loop.create_connection(
+            lambda: link,
+            conn.host,
+            conn.port,
+            ssl=ssl_context,
+            server_hostname=conn.host if ssl_context is not None else None,
+        )
+        hello: list[tuple[Any, ...]] = []
+        if conn.password:
+            auth = (conn.username, conn.password) if conn.username else (conn.password,)
+            hello.append(("AUTH", *auth))
+        if conn.db:
+            hello.append(("SELECT", conn.db))
+        try:
+            if hello:
+                _checked(await link.roundtrip(hello))
+        except BaseException:
+            link.close()
+            raise
+        return link
+
     async def _acall(self, rkeys: list[bytes]) -> list[int]:
         """The asyncio twin of _call for EXISTS: the breaker, one deadline of
         --remote-timeout for connect, send and reply together; raises only _Skipped."""
@@ -818,46 +910,33 @@ class RemoteTier:
             async with _deadline(self.timeout):
                 found = await self._exists(self._aredis(), rkeys)
         except Exception as exc:  # a Redis failure is a miss, counted
-            self._count_error(exc)
+            self._failed(exc)
             if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
                 stale, self._aclient = self._aclient, None  # maybe a stale slot table
                 if stale is not None:
                     with contextlib.suppress(Exception):
                         await stale.aclose()
-            self.breaker.failure()
-            _warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
             raise _Skipped(error_kind(exc)) from exc
         self.breaker.success()
         return found
 
     async def _exists(self, r: Any, rkeys: list[bytes]) -> list[int]:
-        """One pipelined EXISTS round trip. Standalone: the pool's connection
-        directly, with the one deadline around it rather than redis-py's timer per
-        reply (those timers were half the cost of the exchange); a reply cut off
-        disconnects the connection (redis-py does it), never returns it mid-reply."""
+        """One pipelined EXISTS round trip (in a task, bounded by its caller).
+        Standalone: on a link (a new one when none is idle), kept once it answered;
+        a failed or cut-off one is closed, never reused mid-reply."""
         if self.cluster:  # keys on every shard: redis-py groups them by node
             pipe = r.pipeline(transaction=False)
             for k in rkeys:
                 pipe.exists(k)
             return list(await pipe.execute())
-        # Idle connections are kept here rather than in redis-py's pool, whose lock
-        # and readiness probe per checkout cost a tenth of the exchange; at most
-        # REMOTE_FETCHERS exchanges (so connections) at once.
-        conn = self._idle.pop() if self._idle else r.connection_pool.make_connection()
-        found: list[int] | None = None
+        link = self._idle_link() or await self._link()
         try:
-            if not conn.is_connected:
-                await conn.connect()
-            await conn.send_packed_command(
-                conn.pack_commands([("EXISTS", k) for k in rkeys]), check_health=False
-            )
-            found = [await conn.read_response(timeout=math.inf) for _ in rkeys]
-            return found
-        finally:
-            if found is not None:
-                self._idle.append(conn)
-            else:  # failed or cut off: never reused mid-reply
-                await conn.disconnect(nowait=True)
+            found = _checked(await link.roundtrip([("EXISTS", k) for k in rkeys]))
+        except BaseException:
+            link.close()
+            raise
+        self._links.append(link)
+        return found
 
     async def fetch(
         self,
@@ -1147,6 +1226,105 @@ class _Fetch:
     async def settled(self) -> int:
         """Leading keys loaded, once every group is committed or freed."""
         return await asyncio.shield(self._done)
+
+
+#: redis-py's packer for Lookup's commands (hiredis packs; keys are small)
+_PACKER = HiredisRespSerializer()
+
+
+class _Link(asyncio.Protocol):
+    """One connection the tier keeps for Lookup's EXISTS (standalone Redis): the
+    commands packed by redis-py's packer, the replies parsed by hiredis' reader as
+    the bytes arrive, on the loop. An exchange is a write and a callback: no task,
+    no stream reader, no await per reply (they cost about as much as the round
+    trip itself; docs/benchmarks.md section 7). One exchange at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reader = hiredis.Reader(protocolError=rx.InvalidResponse, replyError=rx.ResponseError)
+        self._replies: list[Any] = []
+        self._want = 0
+        self._on_end: Callable[[list[Any] | BaseException], None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def send(
+        self, commands: list[tuple[Any, ...]], on_end: Callable[[list[Any] | BaseException], None]
+    ) -> None:
+        """Write ``commands``; ``on_end`` gets every reply, or the failure, once."""
+        assert self.transport is not None and self._on_end is None
+        self._replies, self._want, self._on_end = [], len(commands), on_end
+        self.transport.writelines([part for c in commands for part in _PACKER.pack(*c)])
+
+    async def roundtrip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """``send`` and wait (a task's exchange; cut off: the link is closed)."""
+        done: asyncio.Future[list[Any] | BaseException] = asyncio.get_running_loop().create_future()
+
+        def end(outcome: list[Any] | BaseException) -> None:
+            if not done.done():
+                done.set_result(outcome)
+
+        self.send(commands, end)
+        try:
+            outcome = await done
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def data_received(self, data: bytes) -> None:
+        if self._on_end is None:
+            self.fail(rx.InvalidResponse("a reply nobody asked for"))
+            return
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                self._replies.append(reply)
+        except rx.InvalidResponse as exc:
+            self.fail(exc)
+            return
+        if len(self._replies) >= self._want:
+            self._end(self._replies)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._end(rx.ConnectionError(f"Redis closed the connection ({exc or 'EOF'})"))
+
+    def _end(self, outcome: list[Any] | BaseException) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the exchange with ``exc`` and close the link (never reused mid-reply)."""
+        self.close()
+        self._end(exc)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _checked(outcome: list[Any] | BaseException) -> list[Any]:
+    """The replies of an exchange, or its failure (an error reply too) raised as
+    redis-py would raise it."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    for reply in outcome:
+        if isinstance(reply, rx.ResponseError):
+            message = str(reply)
+            if message.startswith(("WRONGPASS", "NOAUTH", "invalid password")):
+                raise rx.AuthenticationError(message)
+            if message.startswith("NOPERM"):
+                raise rx.NoPermissionError(message)
+            raise reply
+    return outcome
 
 
 class _Unresolved(socket.gaierror):

@@ -275,6 +275,41 @@ def test_redis_that_never_answers_is_bounded_and_opens_the_breaker(node, redis_s
         )
 
 
+def test_lookup_on_a_kept_link_is_bounded_by_its_budget_then_by_the_timeout(
+    node, redis_server
+) -> None:
+    """Lookup's EXISTS on the connection the tier keeps: with Redis frozen, the
+    Lookup answers from the local tier at its budget (counted), the exchange goes
+    on until --remote-timeout (counted, fed to the breaker) and its connection is
+    closed, never reused mid-reply; Redis thawed, Lookups find the keys again."""
+    a, shm_a = node("a", redis_server.url)
+    b, shm_b = node("b", redis_server.url, remote_timeout=5.0, remote_lookup_budget=0.3)
+    src = make_cache(shm_a, "src", seed=9)
+    keys = [b"lk-%d" % i for i in range(4)]
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [make_cache(shm_b, "dst").rank_region()])
+        ca.store(ma, [(k, [i]) for i, k in enumerate(keys)])
+        wait_for("written", lambda: tier(a).writes == 4)
+        assert cb.lookup(keys, mapping=mb, timeout=10) == 4  # one round trip, in Redis only
+        links = list(tier(b)._links)
+        assert len(links) == 1 and not links[0].closed  # kept for the next Lookup
+        redis_server.stop_process()
+        try:
+            t0 = time.monotonic()
+            assert cb.lookup(keys, mapping=mb, timeout=10) == 0  # none local
+            took = time.monotonic() - t0
+            assert took < 4.0, took  # the budget (0.3 s) ended it, not the timeout (5 s)
+            assert tier(b).errors.get("budget", 0) == 1
+            assert links[0] not in tier(b)._links  # busy: not lent to another Lookup
+            wait_for("the exchange timed out", lambda: tier(b).errors.get("timeout", 0) == 1)
+            assert links[0].closed and tier(b)._asking == 0
+        finally:
+            redis_server.continue_process()
+        assert cb.lookup(keys, mapping=mb, timeout=10) == 4  # a new link; the old one is gone
+        assert health_status(b.address) == SERVING
+
+
 def test_full_write_queue_drops_and_counts_never_blocks(node, redis_server) -> None:
     # A queue smaller than one chunk: every write-behind is dropped at once.
     a, shm_a = node("a", redis_server.url, remote_queue_bytes=1024)
