@@ -650,6 +650,12 @@ class Stream:
                     engine.check_deadline(self._deadline, nbytes)
                 except KVServiceError as exc:
                     self.refused = exc
+                    log.info(
+                        "transfer %s: a part of %d bytes not started (%s); the copy ends before it",
+                        self.transfer.transfer_id,
+                        nbytes,
+                        exc.message,
+                    )
         if self._closed or self.error is not None or self.refused is not None:
             finalize(None, self.error or self.refused)
             return False
