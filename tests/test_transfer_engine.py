@@ -268,3 +268,70 @@ async def test_a_raise_failpoint_fires_on_the_loops_share_a_blocking_one_never_d
     assert ei.value.reason == "TRANSFER_WORKER_FAILED" and ei.value.transfer_state == FINISHED
     assert "failpoint transfer.after_copy fired" in ei.value.message and told == [ei.value]
     engine.shutdown()
+
+
+async def test_a_stream_is_one_transfer_until_closed_and_fence_waits_for_all_its_parts() -> None:
+    """A Retrieve from Redis copies group by group: each part starts on the copy
+    threads as it is added, the transfer id stays in flight (Fence waits, an id
+    fenced earlier is refused) until the stream is closed and its last piece ended."""
+    engine = TransferEngine(threads=2)
+    with pytest.raises(InvalidRequest) as ei:  # fenced before it arrived: never starts
+        await engine.fence("", ["early"], None)
+        engine.stream("early", "m", None, 4096, [_recorder([])], lambda r, e: None)
+    assert ei.value.reason == "TRANSFER_BARRED"
+    ran: list[str] = []
+    gate = threading.Event()
+    finalized: list[tuple[object, BaseException | None]] = []
+
+    def gated() -> str:
+        gate.wait(30)
+        ran.append("first")
+        return "first"
+
+    stream = engine.stream("t1", "m", None, 4096, [gated], lambda r, e: finalized.append((r, e)))
+    assert stream.add(4096, [_recorder(ran, "second")], lambda r, e: finalized.append((r, e)))
+    fence = asyncio.ensure_future(engine.fence("m", [], time.monotonic() + 30))
+    await asyncio.sleep(0.05)
+    assert not fence.done() and "t1" in engine.inflight
+    gate.set()
+    for _ in range(3000):  # both parts end; the stream stays open: Fence still waits
+        if len(finalized) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(finalized) == [(["first"], None), (["second"], None)]
+    assert not fence.done() and engine.state_of("t1") != FINISHED
+    await asyncio.wait_for(stream.end(), 30)
+    assert await asyncio.wait_for(fence, 30) == (1, 0, [])
+    assert engine.state_of("t1") == FINISHED and "t1" not in engine.inflight
+    assert not stream.add(4096, [_recorder(ran)], lambda r, e: finalized.append((r, e)))
+    assert finalized[-1] == (None, None) and len(ran) == 2  # closed: never started
+    engine.shutdown()
+
+
+async def test_a_part_the_deadline_cannot_fit_ends_the_stream_and_a_failed_one_is_raised() -> None:
+    engine = TransferEngine(threads=1)
+    ran: list[str] = []
+    deadline = time.monotonic() + 30
+    stream = engine.stream("t1", "m", deadline, 4096, [_recorder(ran, "a")], lambda r, e: None)
+    refused: list[BaseException | None] = []
+    too_big = int(engine.rate.bytes_per_s * 3600)  # an hour of copying: cannot fit
+    assert not stream.add(too_big, [_recorder(ran, "x")], lambda r, e: refused.append(e))
+    assert isinstance(stream.refused, KVServiceError) and refused == [stream.refused]
+    assert stream.refused.transfer_state == NOT_STARTED
+    # No later part starts either, even one that would fit: what ran is a prefix.
+    assert not stream.add(4096, [_recorder(ran, "y")], lambda r, e: refused.append(e))
+    await asyncio.wait_for(stream.end(), 30)  # a refused part is not an error
+    assert ran == ["kvsvc-copy-0"]
+
+    def failing() -> None:
+        raise DataLoss("stored chunk no longer matches its checksum", reason="CHECKSUM_MISMATCH")
+
+    told: list[KVServiceError] = []
+    engine.on_fatal = told.append
+    stream = engine.stream("t2", "m", None, 4096, [_recorder(ran)], lambda r, e: None)
+    assert stream.add(4096, [failing], lambda r, e: None)
+    with pytest.raises(DataLoss) as ei:
+        await asyncio.wait_for(stream.end(), 30)
+    assert ei.value.transfer_state == FINISHED
+    assert [e.reason for e in told] == ["CHECKSUM_MISMATCH"]
+    engine.shutdown()
