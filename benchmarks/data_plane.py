@@ -4,7 +4,15 @@ run, in alternating rounds (so machine noise hits all three alike):
 
 * torch: a plain torch copy between the shm-backed KV tensors (an mmap of the
   file under /dev/shm) and a buffer, with the server's thread count as torch's
-  intra-op threads;
+  intra-op threads. Two of them: into/out of the same buffer every round (hot:
+  it stays in the L3 cache when it fits), and over a cold set, a ring of
+  buffers as big as the store (``STORE_BYTES``), one after another, so each
+  round's buffer has left the cache as a Store's fresh chunk has (a cache
+  server's Store never writes where it wrote last). Beside the cold set's
+  reference, kvsvc's Retrieve reads the chunks the Store phase left in the
+  store in turn, an equal number of them (its other figure reads the last
+  chunk every round, as the hot reference reads its one buffer); its Store
+  writes a fresh chunk every round, so its one figure stands beside both;
 * preadv: raw ``os.preadv``/``os.pwritev`` of the same byte runs from/to the same
   shm file, split over the server's thread count. The server copies shared
   memory this way (not through mmap, so a client truncating its file cannot
@@ -18,7 +26,10 @@ at most ``--inline-copy-bytes`` (4 MiB) run on the loop thread, not the copy thr
 Chunk = blocks of a Llama-3-8B-shaped KV cache in vLLM's layout (32 layers,
 8 KV heads, head_dim 128, bf16, 16-token blocks: 2 MiB per block), so a 32 MiB
 chunk is one 256-token chunk. Prints a markdown table; the ratio columns are
-kvsvc / reference (goal >= 0.95 of the plain copy).
+kvsvc / reference (goal >= 0.95 of the plain copy). A ring of buffers rather
+than fresh memory each round: the store's buffer is allocated (and its pages
+faulted) once, so a fresh ``torch.empty`` per round would charge the reference
+page faults kvsvc never pays.
 
     python -m benchmarks.data_plane [--quick] [--threads N] [--clients N ...]
 """
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -100,10 +112,13 @@ def run(
 def table(rows: list[dict]) -> str:
     return md_table(
         ["region", "op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s",
-         "kvsvc/torch", "preadv GB/s", "kvsvc/preadv", "copy threads busy (cores)",
+         "kvsvc/torch", "cold set", "kvsvc, cold set GB/s", "torch, cold set GB/s",
+         "kvsvc/torch, cold set", "preadv GB/s", "kvsvc/preadv", "copy threads busy (cores)",
          "loop thread busy"],
         [(r["region"], r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
-          f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}", f"{r['pread']:.2f}",
+          f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}",
+          f"{r['cold_bytes'] / (1 << 30):.2f} GiB", f"{r['kvsvc_cold']:.2f}",
+          f"{r['plain_cold']:.2f}", f"{r['kvsvc_cold'] / r['plain_cold']:.2f}", f"{r['pread']:.2f}",
           f"{r['kvsvc'] / r['pread']:.2f}", f"{r['copy_cores']:.2f} of {r['threads']}",
           f"{r['loop_cores']:.2f}") for r in rows],
     )  # fmt: skip
@@ -190,26 +205,44 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                 return [fn(0)]
             return list(pool.map(fn, range(n_clients)))
 
+        stored: list[int] = []  # the rounds kvsvc stored, in order
+
         def store_all() -> None:
             n = next(counter)
             each(lambda i: clients[i].store(
                 maps[i][0], [(b"%d-%d" % (n, j), ids[j]) for j in range(batch)]))  # fmt: skip
+            stored.append(n)
 
         bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_clients)]
-        for b in bufs:
-            b.fill_(0)  # touch the reference buffers before timing
+        # The cold set: per client, as many buffers as the store holds of its
+        # rounds (less one, for the keys' share of the capacity), together about
+        # STORE_BYTES, the memory kvsvc's Stores cycle through.
+        ring_len = max(1, STORE_BYTES // (nbytes * n_clients) - 1)
+        rings = [[torch.empty(nbytes, dtype=torch.uint8) for _ in range(ring_len)]
+                 for _ in range(n_clients)]  # fmt: skip
+        for b in [*bufs, *(b for ring in rings for b in ring)]:
+            b.fill_(0)  # touch the reference buffers before timing (no page faults in rounds)
+        turns = [itertools.count() for _ in range(n_clients)]
 
-        def plain(direction: str) -> Callable[[], None]:
+        def hot(i: int) -> torch.Tensor:
+            return bufs[i]
+
+        def cold(length: int) -> Callable[[int], torch.Tensor]:
+            """Client i's next buffer of the first ``length`` of its ring, in turn."""
+            return lambda i: rings[i][next(turns[i]) % length]
+
+        def plain(direction: str, buf_of: Callable[[int], torch.Tensor]) -> Callable[[], None]:
             # The fastest plain torch copy of the same bytes: one slice copy per
             # layer and chunk (the bench's block ids are consecutive).
             def one(i: int) -> None:
                 src, dst = caches[i]
+                buf = buf_of(i)
                 pos = 0
                 for j in range(batch):
                     lo, hi = ids[j][0], ids[j][-1] + 1
                     for s_layer, d_layer in zip(src.layers, dst.layers, strict=True):
                         n = s_layer.numel() // s_layer.shape[1] * (hi - lo) * 2
-                        view = bufs[i][pos : pos + n].view(torch.bfloat16).view(
+                        view = buf[pos : pos + n].view(torch.bfloat16).view(
                             2, hi - lo, BLOCK, HEADS, HEAD_DIM)  # fmt: skip
                         if direction == "store":
                             view.copy_(s_layer[:, lo:hi])
@@ -261,27 +294,35 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                 return bench_interleaved(fns, total, seconds)
             meter.start()  # the server's threads work only during kvsvc's calls
             try:
-                return bench_interleaved({**fns, "kvsvc": meter.measure(fns["kvsvc"])},
-                                         total, seconds)  # fmt: skip
+                # both kvsvc targets' calls (and no reference's) make its threads work
+                return bench_interleaved(
+                    {k: meter.measure(f) if k.startswith("kvsvc") else f for k, f in fns.items()},
+                    total, seconds)  # fmt: skip
             finally:
                 meter.stop()
 
-        stores = phase(
-            "store", {"kvsvc": store_all, "plain": plain("store"), "pread": raw("store")}
-        )
-        # the chunks of the last store are present: retrieve them repeatedly
-        last = next(counter) - 1
-        keys = [b"%d-%d" % (last, j) for j in range(batch)]
+        stores = phase("store", {"kvsvc": store_all, "plain": plain("store", hot),
+                                 "plain_cold": plain("store", cold(ring_len)),
+                                 "pread": raw("store")})  # fmt: skip
+        stores["kvsvc_cold"] = stores["kvsvc"]  # every Store writes a fresh chunk
+        # The chunks of the last store are present: "kvsvc" retrieves them
+        # repeatedly; "kvsvc_cold" the last ``present`` rounds' in turn (all still
+        # in the store), beside the torch copy out of as many ring buffers.
+        present = stored[-min(ring_len, len(stored)) :]
+        rounds = itertools.cycle(present)  # oldest first: the longest out of the cache
 
-        def retrieve_all() -> None:
+        def retrieve_all(n: int | None = None) -> None:
+            n = stored[-1] if n is None else n
             results = each(lambda i: clients[i].retrieve(
-                maps[i][1], [(keys[j], ids[j]) for j in range(batch)]))  # fmt: skip
+                maps[i][1], [(b"%d-%d" % (n, j), ids[j]) for j in range(batch)]))  # fmt: skip
             assert all(r.loaded_chunks == batch for r in results), results
 
         retrieves = phase(
             "retrieve",
-            {"kvsvc": retrieve_all, "plain": plain("retrieve"), "pread": raw("retrieve")},
-        )
+            {"kvsvc": retrieve_all, "kvsvc_cold": lambda: retrieve_all(next(rounds)),
+             "plain": plain("retrieve", hot), "plain_cold": plain("retrieve", cold(len(present))),
+             "pread": raw("retrieve")},
+        )  # fmt: skip
         # the blocks kvsvc retrieves are the stored ones, bit for bit (the references
         # wrote dst too: clear it first)
         for _, dst in caches:
@@ -298,14 +339,20 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
         mib = chunk_blocks * BLOCK_BYTES >> 20
         for op, r in (("store", stores), ("retrieve", retrieves)):
             kv, ref, pread = r["kvsvc"], r["plain"], r["pread"]
+            kv_cold, ref_cold = r["kvsvc_cold"], r["plain_cold"]
+            cold_bytes = (ring_len if op == "store" else len(present)) * nbytes * n_clients
             meter = busy[op]
             copy_cores, loop_cores = meter.cores() if meter else (float("nan"),) * 2
             out.append(dict(region=region, op=op, chunk=mib, batch=batch, clients=n_clients,
                             kvsvc=kv, plain=ref, pread=pread, threads=threads,
+                            kvsvc_cold=kv_cold, plain_cold=ref_cold, cold_bytes=cold_bytes,
                             copy_cores=copy_cores, loop_cores=loop_cores,
                             line=f"{region:5} {op:8} {mib:2} MiB x {batch:2} x {n_clients} "
                                  "clients: "
                                  f"kvsvc {kv:6.2f} GB/s  torch {ref:6.2f} GB/s ({kv / ref:.2f})  "
+                                 f"cold set {cold_bytes / (1 << 30):.2f} GiB: kvsvc "
+                                 f"{kv_cold:6.2f} GB/s  torch {ref_cold:6.2f} GB/s "
+                                 f"({kv_cold / ref_cold:.2f})  "
                                  f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})  "
                                  f"copy threads busy {copy_cores:.2f} of {threads} cores, "
                                  f"loop thread {loop_cores:.2f}"))  # fmt: skip
