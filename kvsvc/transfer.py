@@ -242,9 +242,11 @@ class TransferEngine:
         lock = threading.Lock()
         refused: list[KVServiceError] = []
         pending = [len(tasks)]
-        #: the loop's thread waits for the last pieces itself (``ended`` wakes it)
+        #: the loop's thread waits for the last pieces itself (``ended`` wakes it: a
+        #: bare lock, held until then, costs less to make and to wake than an Event)
         joining = [False]
-        ended = threading.Event()
+        ended = threading.Lock()
+        ended.acquire()
 
         def wrap(index: int, task: Callable[[], T]) -> Callable[[], T]:
             def work() -> T:
@@ -302,7 +304,7 @@ class TransferEngine:
                 last = pending[0] == 0
                 waited = last and joining[0]
             if waited:
-                ended.set()  # the loop's thread waits for this piece: it finishes
+                ended.release()  # the loop's thread waits for this piece: it finishes
             elif last:
                 loop.call_soon_threadsafe(finished)
             # Told after `finished` is queued, so a copy whose last piece failed is
@@ -355,7 +357,7 @@ class TransferEngine:
         lock: threading.Lock,
         pending: list[int],
         joining: list[bool],
-        ended: threading.Event,
+        ended: threading.Lock,
     ) -> bool:
         """The loop's thread runs its share of a copy (``work``), then, if it succeeded
         and the copy threads' shares all run, waits for them (GIL released) about as
@@ -377,7 +379,7 @@ class TransferEngine:
             # A failed share is told at once (the loop answers it), as on a copy thread.
             joining[0] = own.exception() is None and all(f.running() or f.done() for f in others)
         if joining[0]:
-            ended.wait(took)
+            ended.acquire(timeout=took)
         with lock:
             joining[0] = False
             return pending[0] == 0
