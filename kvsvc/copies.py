@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -92,6 +93,14 @@ class NativeCopy:
         fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
         fn.argtypes += [ctypes.c_int, vp, ctypes.POINTER(u32)]
         self._copy = fn
+        claim = getattr(lib, "kvsvc_copy_claim", None)  # absent from an older build
+        if claim is not None:
+            claim.restype = ctypes.c_long
+            claim.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, vp]
+            claim.argtypes += [ctypes.POINTER(u32), vp, vp, size, size, vp, ctypes.c_uint64]
+        self._claim = claim
+        #: tasks of one chunk's copy share its segments in C (``claim``)
+        self.claims = claim is not None
 
     def stream(self, on: bool) -> bool:
         """Use non-temporal stores or not (for tests and benchmarks that compare
@@ -118,6 +127,22 @@ class NativeCopy:
         failed = self._copy(
             runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
             ctypes.addressof(digests), ctypes.byref(got),
+        )  # fmt: skip
+        return failed, got.value
+
+    def claim(
+        self, runs: np.ndarray, addr: int, size: int, claims: Claims, me: int, *, to_store: bool
+    ) -> tuple[int, int]:
+        """Task ``me``'s part of a chunk's copy shared by ``claims`` (see Claims):
+        its own segments, then help with the others'. Returns (-1, 0), or (the
+        failed segment, its CRC)."""
+        assert self._claim is not None
+        got = ctypes.c_uint32()
+        failed = self._claim(
+            runs.ctypes.data, len(runs), addr, size, SEGMENT_BYTES, int(to_store),
+            ctypes.addressof(claims.digests), ctypes.byref(got), ctypes.addressof(claims.ranges),
+            ctypes.addressof(claims.starts), len(claims.starts), me,
+            ctypes.addressof(claims.owner), claims.share(me),
         )  # fmt: skip
         return failed, got.value
 
@@ -378,6 +403,84 @@ class _BlockCopy:
                 chunk.verify(si, digest)
         return out
 
+    def run_claimed(self, claims: Claims, me: int) -> list[Digest]:
+        """Task ``me`` of the chunk's copy shared by ``claims``: its segments, then
+        help with the others' (see Claims)."""
+        chunk, ci, to_store = self.chunk, self.ci, self.to_store
+        p = cached_plan(self.mapping, self.block_ids)
+        native = NATIVE
+        if native is not None and p.runs is not None and native.claims:
+            failed, got = native.claim(
+                p.runs, chunk.addr, chunk.size, claims, me, to_store=to_store
+            )
+            if failed >= 0:
+                chunk.verify(failed, got)  # raises DataLoss
+            return [(ci, s, claims.digests[s]) for s in claims.mine(me)] if to_store else []
+        out: list[Digest] = []
+        while (si := claims.next(me)) is not None:
+            s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
+            digest = copy_range(p, chunk.view, chunk.addr, s_lo, s_hi, to_store=to_store)
+            if to_store:
+                out.append((ci, si, digest))
+            elif digest != claims.digests[si]:
+                claims.stop()
+                chunk.verify(si, digest)  # raises DataLoss
+        return out
+
+
+class Claims:
+    """One chunk's segments split into a range per task, each claimed a segment at a
+    time: from its front by its own task, from its back by a task that has finished
+    its own (only once the owner has claimed its first, so each range's first
+    segment is always its owner's). Every thread ends within about a segment of the
+    others, however late a copy thread woke; each segment is copied once. The
+    native loop claims in C (one GIL-free call per task); the Python loop under a
+    lock. ``owner[s]`` is the task (+1) that copied segment s; ``digests`` the
+    segments' CRCs (a Store's results, a Retrieve's expected values)."""
+
+    def __init__(self, bounds: list[tuple[int, int]], expected: list[int] | None) -> None:
+        n = bounds[-1][1]
+        self.bounds = bounds
+        self.ranges = (ctypes.c_uint64 * len(bounds))(*(a | b << 32 for a, b in bounds))
+        self.starts = (ctypes.c_uint32 * len(bounds))(*(a for a, _ in bounds))
+        self.owner = (ctypes.c_uint8 * n)()
+        self.digests = (ctypes.c_uint32 * n)(*(expected or []))
+        self._lock = threading.Lock()
+
+    def share(self, me: int) -> int:
+        a, b = self.bounds[me]
+        return (b - a) * SEGMENT_BYTES
+
+    def next(self, me: int) -> int | None:
+        """(Python loop) The next segment task ``me`` copies, or None: all are taken."""
+        with self._lock:
+            order = [me, *(k for k in range(len(self.bounds)) if k != me)]
+            for k in order:
+                v = self.ranges[k]
+                front, back = v & 0xFFFFFFFF, v >> 32
+                if front >= back or (k != me and front == self.starts[k]):
+                    continue
+                if k == me:
+                    self.ranges[k] = (front + 1) | back << 32
+                    s = front
+                else:
+                    self.ranges[k] = front | (back - 1) << 32
+                    s = back - 1
+                self.owner[s] = me + 1
+                return s
+            return None
+
+    def stop(self) -> None:
+        """(Python loop) A check failed: nobody claims another segment."""
+        with self._lock:
+            for k in range(len(self.bounds)):
+                back = self.ranges[k] >> 32
+                self.ranges[k] = back | back << 32
+
+    def mine(self, me: int) -> list[int]:
+        """The segments task ``me`` copied (once every task has ended)."""
+        return [s for s, o in enumerate(self.owner) if o == me + 1]
+
 
 class SegmentPiece:
     """One checksum segment of a chunk's copy; ``tasks`` runs neighbours as one span."""
@@ -436,6 +539,19 @@ def tasks(pieces: list[Piece], nbytes: int, threads: int) -> list[Callable[[], l
     threads = threads if nbytes > PARALLEL_MIN_BYTES else 1
     n_tasks = max(1, min(len(pieces), threads))
     per = -(-len(pieces) // n_tasks)
+    job = pieces[0].job if isinstance(pieces[0], SegmentPiece) else None
+    if (
+        n_tasks > 1
+        and job is not None
+        and not failpoints.ENABLED  # the transfer.copy failpoint cuts static spans
+        and all(
+            isinstance(p, SegmentPiece) and p.job is job and p.si == i for i, p in enumerate(pieces)
+        )
+    ):
+        # One chunk's segments (in order: Blocks.pieces): its tasks share them.
+        bounds = [(i, min(i + per, len(pieces))) for i in range(0, len(pieces), per)]
+        claims = Claims(bounds, None if job.to_store else job.chunk.expected)
+        return [functools.partial(job.run_claimed, claims, me) for me in range(len(bounds))]
 
     def task(group: list[Piece], first: int) -> Callable[[], list[Digest]]:
         def run() -> list[Digest]:

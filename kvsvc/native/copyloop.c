@@ -395,12 +395,9 @@ typedef struct {
  * Store: digests[i] receives segment lo/seg + i's CRC. Returns -1 when done,
  * else the index (from lo/seg) of the first segment that failed, whose CRC is
  * left in *got. */
-long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
-                         uint64_t hi, uint64_t seg, int to_store, uint32_t *digests,
-                         uint32_t *got) {
-    /* A Store's chunk is written once and read much later: always streamed. A
-     * Retrieve's blocks are read by the engine next: a small one stays in cache. */
-    int stream = nt && (to_store || hi - lo >= NT_LOAD_MIN);
+static long copy_span(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
+                      uint64_t hi, uint64_t seg, int to_store, uint32_t *digests, uint32_t *got,
+                      int stream) {
     size_t i = 0;
     while (i < nruns && runs[i].pos + runs[i].n <= lo) i++;
     for (uint64_t s = lo, k = 0; s < hi; s += seg, k++) {
@@ -437,8 +434,75 @@ long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chu
         }
         if (to_store) digests[k] = crc;
     }
+    return -1;
+}
+
+long kvsvc_copy_segments(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
+                         uint64_t hi, uint64_t seg, int to_store, uint32_t *digests,
+                         uint32_t *got) {
+    /* A Store's chunk is written once and read much later: always streamed. A
+     * Retrieve's blocks are read by the engine next: a small one stays in cache. */
+    int stream = nt && (to_store || hi - lo >= NT_LOAD_MIN);
+    long failed = copy_span(runs, nruns, chunk, lo, hi, seg, to_store, digests, got, stream);
 #ifdef HAVE_FOLD
     if (stream) _mm_sfence(); /* the streamed bytes are in memory before the caller says so */
 #endif
-    return -1;
+    return failed;
+}
+
+/* A range of segments [front, back) as one word, front | back << 32, so that a
+ * claim from either end is one compare-and-swap. */
+static int claim(uint64_t *range, uint32_t start, int from_back, uint32_t *segment) {
+    uint64_t v = __atomic_load_n(range, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint32_t f = (uint32_t)v, b = (uint32_t)(v >> 32);
+        /* A range's first segment is always its owner's (a helper waits until the
+         * owner has begun): which thread reads it does not depend on timing. */
+        if (f >= b || (from_back && f == start)) return 0;
+        uint64_t w = from_back ? ((uint64_t)(b - 1) << 32 | f) : ((uint64_t)b << 32 | (f + 1));
+        if (__atomic_compare_exchange_n(range, &v, w, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *segment = from_back ? b - 1 : f;
+            return 1;
+        }
+    }
+}
+
+/* One task of a chunk's copy shared by several threads (kvsvc_copy_segments per
+ * segment, of a chunk of `size` bytes): task `me` copies its own range of
+ * segments (ranges[me], starting at starts[me]) from the front, then helps the
+ * others from their backs, so that every thread ends within about a segment of
+ * the others however late one started; each segment is copied exactly once.
+ * owner[s] is set to me + 1 for each segment it copied (digests[s] too, on a
+ * Store). `share`: this task's bytes, which decide whether a Retrieve streams,
+ * as for one span. On a failed check, no task claims another segment; returns
+ * that segment (its CRC in *got), else -1. */
+long kvsvc_copy_claim(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t size,
+                      uint64_t seg, int to_store, uint32_t *digests, uint32_t *got,
+                      uint64_t *ranges, const uint32_t *starts, size_t nranges, size_t me,
+                      uint8_t *owner, uint64_t share) {
+    int stream = nt && (to_store || share >= NT_LOAD_MIN);
+    long failed = -1;
+    uint32_t s;
+    for (;;) {
+        int found = claim(&ranges[me], starts[me], 0, &s);
+        for (size_t k = 1; !found && k < nranges; k++)
+            found = claim(&ranges[(me + k) % nranges], starts[(me + k) % nranges], 1, &s);
+        if (!found) break;
+        uint64_t lo = (uint64_t)s * seg, hi = lo + seg < size ? lo + seg : size;
+        owner[s] = (uint8_t)(me + 1);
+        if (copy_span(runs, nruns, chunk, lo, hi, seg, to_store, digests + s, got, stream) >= 0) {
+            failed = (long)s;
+            for (size_t k = 0; k < nranges; k++) { /* nobody claims more */
+                uint64_t v = __atomic_load_n(&ranges[k], __ATOMIC_ACQUIRE);
+                while (!__atomic_compare_exchange_n(&ranges[k], &v, (v >> 32) << 32 | (v >> 32), 0,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                }
+            }
+            break;
+        }
+    }
+#ifdef HAVE_FOLD
+    if (stream) _mm_sfence();
+#endif
+    return failed;
 }

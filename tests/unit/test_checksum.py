@@ -190,3 +190,66 @@ def test_copies_at_every_alignment_agree_with_the_package(
                 assert np.array_equal(out[a - base : a - base + n], engine[a - base : a - base + n])
     finally:
         native.stream(True)
+
+
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_tasks_sharing_a_chunk_copy_each_segment_once_and_help_from_the_back(
+    native: copies.NativeCopy, loop: str
+) -> None:
+    """Two tasks of one chunk's copy (copies.Claims): a task that has ended its own
+    range takes the rest of the other's from its back, but never the other's first
+    segment before its owner began; the CRCs and bytes are those of one copy."""
+    nseg = 7
+    size = nseg * copies.SEGMENT_BYTES - 999
+    engine = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
+    runs = np.array([(engine.ctypes.data, 0, size)], dtype=np.uint64)
+    chunk = np.zeros(size, dtype=np.uint8)
+    want = [copies.checksum(engine[lo:hi].tobytes()) for lo, hi in copies.segments(size)]
+
+    def task(claims: copies.Claims, me: int) -> int:
+        if loop == "native":
+            failed, _ = native.claim(runs, chunk.ctypes.data, size, claims, me, to_store=True)
+            return failed
+        while (s := claims.next(me)) is not None:
+            lo, hi = s * copies.SEGMENT_BYTES, min((s + 1) * copies.SEGMENT_BYTES, size)
+            chunk[lo:hi] = engine[lo:hi]
+            claims.digests[s] = copies.checksum(chunk[lo:hi].tobytes())
+        return -1
+
+    # Task 0 has not begun: task 1 copies its own range [4, 7) and leaves 0's alone.
+    claims = copies.Claims([(0, 4), (4, 7)], None)
+    assert task(claims, 1) == -1
+    assert (claims.mine(0), claims.mine(1)) == ([], [4, 5, 6])
+    assert task(claims, 0) == -1
+    assert claims.mine(0) == [0, 1, 2, 3]
+    assert list(claims.digests) == want and chunk.tobytes() == engine.tobytes()
+    # Task 0 has begun (holds segment 0): task 1 then helps, from the back.
+    chunk[:] = 0
+    claims = copies.Claims([(0, 4), (4, 7)], None)
+    claims.ranges[0] = 1 | 4 << 32  # task 0 claimed segment 0 and copies it
+    claims.owner[0] = 1
+    assert task(claims, 1) == -1
+    assert claims.mine(1) == [1, 2, 3, 4, 5, 6]
+    assert task(claims, 0) == -1 and claims.mine(0) == [0]  # nothing left to claim
+    lo, hi = 0, copies.SEGMENT_BYTES
+    chunk[lo:hi] = engine[lo:hi]  # what task 0 was copying
+    claims.digests[0] = copies.checksum(chunk[lo:hi].tobytes())
+    assert list(claims.digests) == want and chunk.tobytes() == engine.tobytes()
+
+
+def test_a_failed_check_in_a_shared_retrieve_stops_every_task(native: copies.NativeCopy) -> None:
+    size = 6 * copies.SEGMENT_BYTES
+    chunk = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
+    digests = [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in copies.segments(size)]
+    chunk[4 * copies.SEGMENT_BYTES + 5] ^= 0xFF  # segment 4 goes bad in the store
+    engine = np.zeros(size, dtype=np.uint8)
+    runs = np.array([(engine.ctypes.data, 0, size)], dtype=np.uint64)
+    claims = copies.Claims([(0, 3), (3, 6)], digests)
+    claims.ranges[0] = 1 | 3 << 32  # task 0 holds segment 0
+    failed, got = native.claim(runs, chunk.ctypes.data, size, claims, 1, to_store=False)
+    assert failed == 4 and got == copies.checksum(chunk[4 << 20 : 5 << 20].tobytes())
+    assert claims.mine(1) == [3, 4]  # stopped at the bad one
+    assert not engine[4 * copies.SEGMENT_BYTES :].any()  # it never reached the engine
+    assert all(claims.ranges[k] & 0xFFFFFFFF == claims.ranges[k] >> 32 for k in range(2))
+    assert native.claim(runs, chunk.ctypes.data, size, claims, 0, to_store=False) == (-1, 0)
+    assert claims.mine(0) == []  # nothing left to claim for anyone
