@@ -79,7 +79,7 @@ def test_a_copy_is_shared_by_the_loop_and_a_copy_thread_bit_exact(
         # range's first by its own task
         assert sorted(s for _, a, b in spans for s in range(a, b)) == list(range(6))
         assert (loop, 0, 1) in spans
-        assert [t for t, a, _ in spans if a == 3][0].startswith("kvsvc-copy-")
+        assert next(t for t, a, _ in spans if a == 3).startswith("kvsvc-copy-")
         assert all(t.startswith("kvsvc-copy-") for t, _, _ in spans if t != loop)
         spans.clear()
         out = list(range(BLOCKS, 2 * BLOCKS))
