@@ -6,13 +6,15 @@ credentials refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -437,6 +439,53 @@ def big_cache(shm: Path, name: str, seed: int | None = None) -> SharedKVCache:
     return cache
 
 
+@dataclass
+class TwoNodes:
+    """Node A stored 16 big chunks (written behind to Redis); node B maps an empty cache."""
+
+    b: ServerThread
+    cb: KVCacheClient
+    mb: Any
+    src: SharedKVCache
+    dst: SharedKVCache
+    chunks: list[tuple[bytes, list[int]]]
+
+
+@contextlib.contextmanager
+def sixteen_in_redis(
+    node, redis_server, tag: str, seed: int, remote_timeout: float
+) -> Iterator[TwoNodes]:
+    a, shm_a = node("a", redis_server.url, store_bytes=128 << 20, remote_timeout=remote_timeout)
+    b, shm_b = node("b", redis_server.url, remote_timeout=remote_timeout)
+    src, dst = big_cache(shm_a, "src", seed=seed), big_cache(shm_b, "dst")
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        ma = ca.map("llama", [src.rank_region()])
+        mb = cb.map("llama", [dst.rank_region()])
+        chunks = [(b"%s-%02d" % (tag.encode(), i), [i]) for i in range(16)]
+        for half in (chunks[:8], chunks[8:]):  # within A's write queue (a quarter of 128 MiB)
+            written = tier(a).writes
+            assert ca.store(ma, half).stored_chunks == 8
+            wait_for("written", lambda w=written: tier(a).writes == w + 8)
+        yield TwoNodes(b, cb, mb, src, dst, chunks)
+
+
+def after_the_first_group(monkeypatch, action: Callable[[], None]) -> threading.Event:
+    """A fetch group per value; ``action`` runs on the reader thread once the first
+    group was handed over, before it reads more (the returned event is then set)."""
+    monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 1)
+    deliver = remote_module._Fetch.deliver
+    done = threading.Event()
+
+    def deliver_then_act(self, values: list) -> None:
+        deliver(self, values)
+        if values and not done.is_set():
+            done.set()
+            action()
+
+    monkeypatch.setattr(remote_module._Fetch, "deliver", deliver_then_act)
+    return done
+
+
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_redis_lost_during_a_grouped_fetch_answers_in_time(
     node, redis_server, monkeypatch, how: str
@@ -445,31 +494,16 @@ def test_redis_lost_during_a_grouped_fetch_answers_in_time(
     first group was handed over: the Retrieve answers within its deadline with a
     bit-exact prefix (at least that group), the failure is counted, the health does
     not change, and the connection is not reused mid-reply."""
-    a, shm_a = node("a", redis_server.url, store_bytes=128 << 20, remote_timeout=1.0)
-    b, shm_b = node("b", redis_server.url, remote_timeout=1.0)
-    src, dst = big_cache(shm_a, "src", seed=12), big_cache(shm_b, "dst")
-    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
-        ma = ca.map("llama", [src.rank_region()])
-        mb = cb.map("llama", [dst.rank_region()])
-        chunks = [(b"big-%02d" % i, [i]) for i in range(16)]
-        for half in (chunks[:8], chunks[8:]):  # within A's write queue (a quarter of 128 MiB)
-            written = tier(a).writes
-            assert ca.store(ma, half).stored_chunks == 8
-            wait_for("written", lambda w=written: tier(a).writes == w + 8)
-        monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 1)  # a group per value
-        deliver = remote_module._Fetch.deliver
-        lost = threading.Event()
 
-        def lose_redis_after_the_first(self, values: list) -> None:
-            deliver(self, values)
-            if values and not lost.is_set():  # on the reader thread: it reads no more first
-                lost.set()
-                if how == "killed":
-                    redis_server.kill()
-                else:
-                    redis_server.stop_process()
+    def lose() -> None:
+        if how == "killed":
+            redis_server.kill()
+        else:
+            redis_server.stop_process()
 
-        monkeypatch.setattr(remote_module._Fetch, "deliver", lose_redis_after_the_first)
+    with sixteen_in_redis(node, redis_server, "big", 12, remote_timeout=1.0) as n:
+        b, cb, mb, src, dst, chunks = n.b, n.cb, n.mb, n.src, n.dst, n.chunks
+        lost = after_the_first_group(monkeypatch, lose)
         try:
             t0 = time.monotonic()
             r = cb.retrieve(mb, [(k, ids) for k, ids in chunks], timeout=10)
@@ -503,28 +537,9 @@ def test_blocks_are_loaded_group_by_group_while_later_ones_are_read(
     group, that group's blocks are already loaded (bit-exact) and the copy is one
     transfer in flight (Fence would wait for it);
     Redis thawed, the Retrieve loads every chunk bit-exact."""
-    a, shm_a = node("a", redis_server.url, store_bytes=128 << 20, remote_timeout=30.0)
-    b, shm_b = node("b", redis_server.url, remote_timeout=30.0)
-    src, dst = big_cache(shm_a, "src", seed=13), big_cache(shm_b, "dst")
-    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
-        ma = ca.map("llama", [src.rank_region()])
-        mb = cb.map("llama", [dst.rank_region()])
-        chunks = [(b"grp-%02d" % i, [i]) for i in range(16)]
-        for half in (chunks[:8], chunks[8:]):  # within A's write queue (a quarter of 128 MiB)
-            written = tier(a).writes
-            assert ca.store(ma, half).stored_chunks == 8
-            wait_for("written", lambda w=written: tier(a).writes == w + 8)
-        monkeypatch.setattr(remote_module, "REMOTE_FETCH_GROUP_BYTES", 1)  # a group per value
-        deliver = remote_module._Fetch.deliver
-        frozen = threading.Event()
-
-        def freeze_after_the_first(self, values: list) -> None:
-            deliver(self, values)
-            if values and not frozen.is_set():  # on the reader thread: it reads no more first
-                frozen.set()
-                redis_server.stop_process()
-
-        monkeypatch.setattr(remote_module._Fetch, "deliver", freeze_after_the_first)
+    with sixteen_in_redis(node, redis_server, "grp", 13, remote_timeout=30.0) as n:
+        b, cb, mb, src, dst, chunks = n.b, n.cb, n.mb, n.src, n.dst, n.chunks
+        frozen = after_the_first_group(monkeypatch, redis_server.stop_process)
         engine = b.server.servicer.engine
         out: list = []
         retrieving = threading.Thread(
