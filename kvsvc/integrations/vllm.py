@@ -207,13 +207,12 @@ class _Link:
         if time.monotonic() < self.down_until:
             return None
         if self.client is None:
-            # Unary calls: one Lookup per request, transfers as futures; the path
-            # the engine tests (kvsvc down, back, killed) were proven on.
+            # Over the client's Session stream (unary where the server lacks it): the
+            # scheduler's Lookup per request costs about half a unary call's.
             self.client = KVCacheClient(
                 self.cfg.target,
                 control_timeout=self.control_timeout,
                 transfer_timeout=self.cfg.load_timeout_s,
-                session=False,
             )
         return self.client
 
