@@ -42,6 +42,13 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 
+# The torch reference's OpenMP threads would spin for a while after each copy
+# (libgomp's default wait policy) and take a core from whatever the benchmark
+# runs next on 2 cores, kvsvc or preadv: measured, preadv halved and kvsvc lost
+# 10-15% at 32 MiB x 1. Passive, they sleep when done and torch pays its own
+# wake-ups. Read when torch loads: benchmarks.run sets it too, before importing.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from benchmarks.common import (

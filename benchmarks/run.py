@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -32,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see data_plane.py
 
 from benchmarks import control_plane, data_plane, gpu, lookup_cost, memory, profile_server
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
