@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see data_plane.py
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads: see data_plane.py
 
 from benchmarks import control_plane, data_plane, gpu, lookup_cost, memory, profile_server
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
