@@ -398,22 +398,18 @@ def server_stack(run: Run, server: str, grace: float) -> None:
     t = run.podman("exec", cid, "touch", "/tmp/.kvsvc-rw-probe")
     run.check(t.returncode == 0, "/tmp (tmpfs) is writable", t.stderr.strip())
 
-    # down: the server must get SIGTERM, drain, and exit 0 long before the grace ends.
-    logs = subprocess.Popen(
-        ["podman", "logs", "--follow", cid],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # stop, then down: the server must get SIGTERM, drain, and exit 0 long before the
+    # grace ends. Its log is read once it has exited: `podman logs --follow` can end
+    # at the exit before it has read the last lines.
     since = time.time()
-    took = down(run, "down-server.log")
-    run.figure("compose down (server only)", f"{took:.1f} s")
-    try:
-        out, _ = logs.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        logs.kill()
-        out, _ = logs.communicate()
+    t0 = time.monotonic()
+    r = run.compose("stop", server, log="stop-server.log")
+    run.check(r.returncode == 0, f"compose stop {server}", r.stderr.strip()[-300:])
+    run.figure("compose stop (server only)", f"{time.monotonic() - t0:.1f} s")
+    logs = run.podman("logs", cid)
+    out = logs.stdout + logs.stderr
     (run.logs / "server-down.log").write_text(out)
+    down(run, "down-server.log")
     messages = [rec.get("msg", "") for rec in json_lines(out)]
     run.check(
         any(m.startswith("signal received") for m in messages) and "stopped" in messages,
@@ -425,14 +421,14 @@ def server_stack(run: Run, server: str, grace: float) -> None:
         stopped_in = epoch(died[0]["Time"]) - since
         # podman leaves the field out when it is 0 (omitempty); SIGKILL would be 137.
         code = died[0].get("ContainerExitCode", 0)
-        run.check(code == 0, "the server exits 0 on down", died[0])
+        run.check(code == 0, "the server exits 0 on stop", died[0])
         # Ignoring SIGTERM would mean the full grace, then SIGKILL (137); a loaded
         # host adds seconds to podman's stop and the interpreter's exit.
         run.check(
             stopped_in < grace * 2 / 3,
-            f"the server exited {stopped_in:.1f} s into down, within 2/3 of its {grace:g} s grace",
+            f"the server exited {stopped_in:.1f} s into stop, within 2/3 of its {grace:g} s grace",
         )
-        run.figure("down -> server exited", f"{stopped_in:.1f} s (grace {grace:g} s)")
+        run.figure("stop -> server exited", f"{stopped_in:.1f} s (grace {grace:g} s)")
 
 
 def failpoint_stack(run: Run, server: str) -> None:
