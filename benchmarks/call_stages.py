@@ -9,6 +9,7 @@ one chunk over a sealed memfd N times; the median of each step between
 consecutive stamps is printed, for the stamp order most calls took.
 
     python -m benchmarks.call_stages [--chunk-blocks 1] [--calls 300] [--op store]
+        [--between none|sleep|spin|copy] [--gap-ms 20]
 """
 
 from __future__ import annotations
@@ -151,7 +152,38 @@ def serve(argv: list[str]) -> int:
     return main(argv)
 
 
-def run(chunk_blocks: int, calls: int, op: str) -> str:
+def _between(how: str, seconds: float) -> Callable[[], None]:
+    """What the client does between two calls: nothing; sleep; spin (this thread busy,
+    no memory touched); or copy (torch copies through 128 MiB of buffers, as
+    benchmarks.data_plane's references run between kvsvc's calls, so the caches hold
+    other bytes when the next call starts)."""
+    if how == "none" or seconds <= 0:
+        return lambda: None
+    if how == "sleep":
+        return lambda: time.sleep(seconds)
+    if how == "spin":
+
+        def spin() -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        return spin
+    import torch
+
+    bufs = [torch.ones(32 << 20, dtype=torch.uint8) for _ in range(4)]
+    turn = itertools.count()
+
+    def copy() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            i = next(turn)
+            bufs[(i + 1) % 4].copy_(bufs[i % 4])
+
+    return copy
+
+
+def run(chunk_blocks: int, calls: int, op: str, between: str = "none", gap_ms: float = 20.0) -> str:
     from benchmarks.common import SERVING_RE, stop_process, wait_for_address
     from kvsvc.client import KVCacheClient
     from kvsvc.kvcache import SharedKVCache
@@ -181,8 +213,10 @@ def run(chunk_blocks: int, calls: int, op: str) -> str:
             ids = list(range(chunk_blocks))
             for i in range(20):
                 c.store(m, [(b"warm-%d" % i, ids)])
+            pause = _between(between, gap_ms / 1e3)
             STAMPS.clear()
             for i in range(calls):
+                pause()  # before the stamps: not part of the call
                 stamp("client: call")
                 if op == "store":
                     c.store(m, [(b"s-%d" % i, ids)])
@@ -240,8 +274,15 @@ def main() -> int:
     ap.add_argument("--chunk-blocks", type=int, default=1, help="2 MiB blocks per chunk")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--op", choices=["store", "retrieve"], default="store")
+    ap.add_argument(
+        "--between",
+        choices=["none", "sleep", "spin", "copy"],
+        default="none",
+        help="what the client does between calls (default: calls back to back)",
+    )
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="for how long, with --between")
     args = ap.parse_args()
-    print(run(args.chunk_blocks, args.calls, args.op))
+    print(run(args.chunk_blocks, args.calls, args.op, args.between, args.gap_ms))
     return 0
 
 

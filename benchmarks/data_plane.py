@@ -42,15 +42,6 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 
-# The torch reference's OpenMP threads (libgomp) spin after each copy, by default
-# long enough to take a core from whatever runs next on 2 cores, kvsvc or
-# preadv (measured: preadv halved, kvsvc -10-15% at 32 MiB x 1). A short spin
-# keeps torch's own back-to-back copies fast (faster than the default here) and
-# frees the core at once; OMP_WAIT_POLICY=PASSIVE instead made torch wake per
-# copy and its figures swing 3-7 GB/s. Read when torch loads: benchmarks.run
-# sets it too, before importing.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
 import torch
 
 from benchmarks.common import (

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -33,8 +32,6 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before torch loads: see data_plane.py
 
 from benchmarks import control_plane, data_plane, gpu, lookup_cost, memory, profile_server
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
