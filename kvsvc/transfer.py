@@ -173,18 +173,23 @@ class TransferEngine:
         if len(table) > _REMEMBERED:
             table.popitem(last=False)
 
-    def check_deadline(self, deadline: float | None, nbytes: int) -> None:
-        """Refuse (NOT_STARTED) a copy that cannot finish before ``deadline``."""
+    def check_deadline(self, deadline: float | None, nbytes: int, ahead: int = 0) -> None:
+        """Refuse (NOT_STARTED) a copy that cannot finish before ``deadline``, after
+        the ``ahead`` bytes queued before it (a stream's earlier parts) are copied."""
         if deadline is None:
             return
         remaining = deadline - time.monotonic()
-        need = nbytes / self.rate.bytes_per_s
+        need = (nbytes + ahead) / self.rate.bytes_per_s
         if remaining <= need:
+            after = f" after the {ahead} bytes queued ahead of it" if ahead else ""
+            metadata: dict[str, object] = {"remainingMs": f"{remaining * 1e3:.1f}", "bytes": nbytes}
+            if ahead:
+                metadata["queuedBytes"] = ahead
             raise DeadlineExceeded(
-                f"{remaining * 1e3:.1f} ms left, the copy of {nbytes} bytes needs about "
-                f"{need * 1e3:.1f} ms: not started",
+                f"{remaining * 1e3:.1f} ms left, the copy of {nbytes} bytes{after} needs "
+                f"about {need * 1e3:.1f} ms: not started",
                 reason="DEADLINE_TOO_SHORT",
-                metadata={"remainingMs": f"{remaining * 1e3:.1f}", "bytes": nbytes},
+                metadata=metadata,
                 transfer_state=NOT_STARTED,
             )
 
@@ -617,8 +622,9 @@ class Stream:
     and one ``Transfer`` in flight, which Fence waits for, from the first part
     until the last piece of the last part has ended. Parts run on the copy
     threads (queued in order) and each is admitted on the loop when added: once
-    one is refused (closed, the deadline cannot fit it, an earlier part failed,
-    a fatal failure) no later one starts, so the parts that ran are a prefix."""
+    one is refused (closed, the deadline cannot fit it after the parts queued
+    ahead of it, an earlier part failed, a fatal failure) no later one starts, so
+    the parts that ran are a prefix."""
 
     def __init__(self, engine: TransferEngine, transfer: Transfer, deadline: float | None) -> None:
         self._engine = engine
@@ -628,6 +634,9 @@ class Stream:
         self._lock = threading.Lock()
         self._futures: list[concurrent.futures.Future[Any]] = []
         self._running = 0  # parts with pieces that have not ended
+        #: bytes of the parts added that are not copied yet (each piece counts an even
+        #: share of its part until it ends): what a part added now waits behind
+        self._ahead = 0
         self._closed = False
         self._first = True  # the next piece to run is the transfer's first
         self.error: BaseException | None = None  # the first failure: raised by end()
@@ -649,7 +658,7 @@ class Stream:
                 self.error = engine._refusal(FINISHED)
             else:
                 try:
-                    engine.check_deadline(self._deadline, nbytes)
+                    engine.check_deadline(self._deadline, nbytes, ahead=self._ahead)
                 except KVServiceError as exc:
                     self.refused = exc
                     log.info(
@@ -673,6 +682,7 @@ class Stream:
         engine, transfer = self._engine, self.transfer
         transfer.nbytes += nbytes
         pending = [len(tasks)]
+        left = [nbytes]  # of this part's bytes, those of pieces that have not ended
         started = [0.0]
 
         def work(task: Callable[[], T]) -> T:
@@ -714,6 +724,9 @@ class Stream:
             with self._lock:
                 pending[0] -= 1
                 last = pending[0] == 0
+                share = left[0] - nbytes * pending[0] // len(tasks)
+                left[0] -= share
+                self._ahead -= share
             if last:
                 self._loop.call_soon_threadsafe(part_done)
             exc = None if fut.cancelled() else fut.exception()
@@ -721,6 +734,8 @@ class Stream:
                 engine.on_fatal(exc)
 
         self._running += 1
+        with self._lock:
+            self._ahead += nbytes
         futures = [
             engine._workers.submit(functools.partial(work, t), transfer.transfer_id) for t in tasks
         ]

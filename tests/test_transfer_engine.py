@@ -335,3 +335,55 @@ async def test_a_part_the_deadline_cannot_fit_ends_the_stream_and_a_failed_one_i
     assert ei.value.transfer_state == FINISHED
     assert [e.reason for e in told] == ["CHECKSUM_MISMATCH"]
     engine.shutdown()
+
+
+async def test_a_part_that_cannot_finish_after_the_parts_queued_ahead_is_refused() -> None:
+    """A part is admitted by the time the copy needs to reach its end: its own bytes
+    and those of the parts queued ahead that have not been copied yet. One that fits
+    alone but not behind them is refused, and no later part starts (a prefix); once
+    the parts ahead have ended, they no longer count."""
+    engine = TransferEngine(threads=1)
+    engine.rate.bytes_per_s = 10_000.0  # parts below 1 MiB never change the estimate
+    deadline = time.monotonic() + 100  # room for ~1_000_000 bytes
+    ran: list[str] = []
+    gate = threading.Event()
+    finalized: list[BaseException | None] = []
+
+    def gated() -> str:
+        gate.wait(30)
+        ran.append("first")
+        return "first"
+
+    def part(name: str):
+        def task() -> str:
+            ran.append(name)
+            return name
+
+        return task
+
+    def done(r: object, e: BaseException | None) -> None:
+        finalized.append(e)
+
+    stream = engine.stream("t1", "m", deadline, 400_000, [gated], done)  # 40 s
+    assert stream.add(300_000, [part("second")], done)  # 70 s with the first: fits
+    # 40 s alone fits in 100 s, but not after the 70 s queued ahead of it.
+    assert not stream.add(400_000, [part("third")], done)
+    assert isinstance(stream.refused, KVServiceError)
+    assert stream.refused.reason == "DEADLINE_TOO_SHORT"
+    assert stream.refused.transfer_state == NOT_STARTED
+    assert not stream.add(4096, [part("fourth")], done)  # the prefix has ended
+    gate.set()
+    await asyncio.wait_for(stream.end(), 30)  # a refused part is not an error
+    assert ran == ["first", "second"]
+    assert finalized[:2] == [stream.refused, stream.refused] and finalized[2:] == [None, None]
+
+    stream = engine.stream("t2", "m", deadline, 400_000, [part("a")], done)
+    for _ in range(3000):  # the first part ends: its bytes no longer count
+        if len(finalized) == 5:
+            break
+        await asyncio.sleep(0.01)
+    assert finalized[4] is None
+    assert stream.add(500_000, [part("b")], done)  # 50 s: fits once nothing is ahead
+    await asyncio.wait_for(stream.end(), 30)
+    assert ran[2:] == ["a", "b"]
+    engine.shutdown()
