@@ -126,6 +126,7 @@ def run_engine(
         VLLM_LOOPBACK_IP="127.0.0.1",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
+        VLLM_RPC_BASE_PATH=str(tmp),  # its ZMQ sockets go with tmp, not stay in /tmp
     )
     env.update(extra_env or {})
     print(f"bench: engine {name} {extra_env or ''}", flush=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine_env() -> dict[str, str]:
+def engine_env(ipc_dir: str) -> dict[str, str]:
+    """``ipc_dir``: where vLLM makes its ZMQ unix sockets (``VLLM_RPC_BASE_PATH``; by
+    default the temp dir itself, where each engine leaves ~19 of them behind)."""
     env = dict(os.environ)
     env.update(
+        VLLM_RPC_BASE_PATH=ipc_dir,
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_HOST_IP="127.0.0.1",
         VLLM_LOOPBACK_IP="127.0.0.1",
@@ -40,20 +45,26 @@ def run_engine(tmp: Path, name: str, plan: dict[str, Any], timeout: float = 600)
     """Run driver.py with ``plan``; its result, with the engine's log as ``log``."""
     plan_path, out_path, log_path = (tmp / f"{name}.{s}" for s in ("plan.json", "out.json", "log"))
     plan_path.write_text(json.dumps(plan))
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "driver.py"), str(plan_path), str(out_path)],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=engine_env(),
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(30)
-            rc = -9
+    # Its own socket dir, removed with what the engine left in it: short, under the
+    # temp dir (a socket's path must fit in 108 bytes; pytest's tmp_path may not).
+    ipc_dir = tempfile.mkdtemp(prefix="kv")
+    try:
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(
+                [sys.executable, str(HERE / "driver.py"), str(plan_path), str(out_path)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=engine_env(ipc_dir),
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait(30)
+                rc = -9
+    finally:
+        shutil.rmtree(ipc_dir)
     log = log_path.read_text(errors="replace")
     result = json.loads(out_path.read_text()) if out_path.exists() else {"steps": []}
     result["log"] = log
