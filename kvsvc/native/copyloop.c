@@ -184,8 +184,13 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static __m512i fold5
                             _mm512_clmulepi64_epi128(x, kv, 0x11));
 }
 
-__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_fold(
-    uint32_t crc, const unsigned char *p, size_t len) {
+/* CRC-32C of len >= 256 bytes at p by folding 4 x 64 bytes at a time. With `copy`
+ * (a constant: each caller gets its own code, with no test in the loop), every
+ * 256 bytes loaded are also written to d with non-temporal stores, and the CRC is
+ * of the registers written; then d is 64-byte aligned and len a multiple of 256
+ * (no tail). */
+__attribute__((always_inline, target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static inline uint32_t
+fold_run(uint32_t crc, unsigned char *d, const unsigned char *p, size_t len, const int copy) {
     __m512i k2048 = _mm512_broadcast_i32x4(
         _mm_set_epi64x((long long)fold_k[4][1], (long long)fold_k[4][0]));
     __m512i k512 = _mm512_broadcast_i32x4(
@@ -194,30 +199,53 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
     __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
     __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
     __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
+    if (copy) {
+        _mm512_stream_si512((void *)d, x0);
+        _mm512_stream_si512((void *)(d + 64), x1);
+        _mm512_stream_si512((void *)(d + 128), x2);
+        _mm512_stream_si512((void *)(d + 192), x3);
+        d += 256;
+    }
     x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc)));
     p += 256;
     len -= 256;
     for (; len >= 256; p += 256, len -= 256) {
-        x0 = _mm512_xor_si512(fold512(x0, k2048), _mm512_loadu_si512((const void *)p));
-        x1 = _mm512_xor_si512(fold512(x1, k2048), _mm512_loadu_si512((const void *)(p + 64)));
-        x2 = _mm512_xor_si512(fold512(x2, k2048), _mm512_loadu_si512((const void *)(p + 128)));
-        x3 = _mm512_xor_si512(fold512(x3, k2048), _mm512_loadu_si512((const void *)(p + 192)));
+        __m512i a = _mm512_loadu_si512((const void *)p);
+        __m512i b = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(p + 128));
+        __m512i e = _mm512_loadu_si512((const void *)(p + 192));
+        if (copy) {
+            _mm512_stream_si512((void *)d, a);
+            _mm512_stream_si512((void *)(d + 64), b);
+            _mm512_stream_si512((void *)(d + 128), c);
+            _mm512_stream_si512((void *)(d + 192), e);
+            d += 256;
+        }
+        x0 = _mm512_xor_si512(fold512(x0, k2048), a);
+        x1 = _mm512_xor_si512(fold512(x1, k2048), b);
+        x2 = _mm512_xor_si512(fold512(x2, k2048), c);
+        x3 = _mm512_xor_si512(fold512(x3, k2048), e);
     }
     x1 = _mm512_xor_si512(x1, fold512(x0, k512));
     x2 = _mm512_xor_si512(x2, fold512(x1, k512));
     x3 = _mm512_xor_si512(x3, fold512(x2, k512));
-    for (; len >= 64; p += 64, len -= 64)
+    for (; !copy && len >= 64; p += 64, len -= 64)
         x3 = _mm512_xor_si512(fold512(x3, k512), _mm512_loadu_si512((const void *)p));
     __m128i y = _mm512_extracti32x4_epi32(x3, 3);
     y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 0), 2));
     y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 1), 1));
     y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 2), 0));
-    for (; len >= 16; p += 16, len -= 16)
+    for (; !copy && len >= 16; p += 16, len -= 16)
         y = _mm_xor_si128(fold128(y, 0), _mm_loadu_si128((const __m128i *)p));
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
-    for (; len; len--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    for (; !copy && len; len--) c = _mm_crc32_u8((uint32_t)c, *p++);
     return ~(uint32_t)c;
+}
+
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_fold(
+    uint32_t crc, const unsigned char *p, size_t len) {
+    return fold_run(crc, NULL, p, len, 0);
 }
 
 /* Non-temporal copies. A Store's chunk and a Retrieve's blocks are not read
@@ -230,46 +258,7 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
 /* d 64-byte aligned, len a multiple of 256 (at least 256): copy and CRC-32C. */
 __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_fold_copy(
     uint32_t crc, unsigned char *d, const unsigned char *p, size_t len) {
-    __m512i k2048 = _mm512_broadcast_i32x4(
-        _mm_set_epi64x((long long)fold_k[4][1], (long long)fold_k[4][0]));
-    __m512i k512 = _mm512_broadcast_i32x4(
-        _mm_set_epi64x((long long)fold_k[3][1], (long long)fold_k[3][0]));
-    __m512i x0 = _mm512_loadu_si512((const void *)p);
-    __m512i x1 = _mm512_loadu_si512((const void *)(p + 64));
-    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128));
-    __m512i x3 = _mm512_loadu_si512((const void *)(p + 192));
-    _mm512_stream_si512((void *)d, x0);
-    _mm512_stream_si512((void *)(d + 64), x1);
-    _mm512_stream_si512((void *)(d + 128), x2);
-    _mm512_stream_si512((void *)(d + 192), x3);
-    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc)));
-    p += 256;
-    d += 256;
-    len -= 256;
-    for (; len >= 256; p += 256, d += 256, len -= 256) {
-        __m512i a = _mm512_loadu_si512((const void *)p);
-        __m512i b = _mm512_loadu_si512((const void *)(p + 64));
-        __m512i c = _mm512_loadu_si512((const void *)(p + 128));
-        __m512i e = _mm512_loadu_si512((const void *)(p + 192));
-        _mm512_stream_si512((void *)d, a);
-        _mm512_stream_si512((void *)(d + 64), b);
-        _mm512_stream_si512((void *)(d + 128), c);
-        _mm512_stream_si512((void *)(d + 192), e);
-        x0 = _mm512_xor_si512(fold512(x0, k2048), a);
-        x1 = _mm512_xor_si512(fold512(x1, k2048), b);
-        x2 = _mm512_xor_si512(fold512(x2, k2048), c);
-        x3 = _mm512_xor_si512(fold512(x3, k2048), e);
-    }
-    x1 = _mm512_xor_si512(x1, fold512(x0, k512));
-    x2 = _mm512_xor_si512(x2, fold512(x1, k512));
-    x3 = _mm512_xor_si512(x3, fold512(x2, k512));
-    __m128i y = _mm512_extracti32x4_epi32(x3, 3);
-    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 0), 2));
-    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 1), 1));
-    y = _mm_xor_si128(y, fold128(_mm512_extracti32x4_epi32(x3, 2), 0));
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(y));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(y, 1));
-    return ~(uint32_t)c;
+    return fold_run(crc, d, p, len, 1);
 }
 
 /* d 64-byte aligned, len a multiple of 64. */
