@@ -135,6 +135,11 @@ REMOTE_FETCH_GROUP_BYTES = 16 * MiB
 # Bytes the sync clients (they carry values) read from the socket at once
 # (redis-py's default: 64 KiB, one read and one parser feed per 64 KiB of a value).
 REMOTE_SOCKET_READ_BYTES = 1 * MiB
+# With --remote, glibc's malloc keeps up to this many freed bytes at the top of
+# each heap and serves large blocks from its heaps, not fresh mmaps: the bytes
+# objects hiredis makes for values (one per value, megabytes each) then reuse
+# memory already faulted in (kvsvc.remote.reuse_freed_memory).
+REMOTE_MALLOC_KEEP_BYTES = 256 * MiB
 # --remote's host name is looked up again this often (a failed lookup: after
 # REMOTE_BREAKER_OPEN_S); Redis is called only while the last answer was good.
 REMOTE_DNS_REFRESH_S = 30.0

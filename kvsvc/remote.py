@@ -67,6 +67,7 @@ from kvsvc.config import (
     REMOTE_DNS_REFRESH_S,
     REMOTE_FETCH_GROUP_BYTES,
     REMOTE_FETCHERS,
+    REMOTE_MALLOC_KEEP_BYTES,
     REMOTE_SOCKET_READ_BYTES,
     REMOTE_WRITE_BATCH_BYTES,
     REMOTE_WRITERS,
@@ -307,6 +308,29 @@ def value_connection_settings() -> dict[str, Any]:
     }
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def reuse_freed_memory() -> bool:
+    """Have glibc's malloc serve large blocks from its heaps and keep up to
+    REMOTE_MALLOC_KEEP_BYTES freed at the top of each: every value read from
+    Redis is a new bytes object (hiredis makes it), and above malloc's mmap
+    threshold (32 MiB at most) each came from a fresh mmap whose pages faulted
+    in 4 KiB at a time, then went back to the kernel on free: half the reader
+    thread's CPU for 32 MiB values (docs/benchmarks.md section 7). Process-wide
+    and only where glibc is the C library; returns whether it was set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its defaults stay
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, REMOTE_MALLOC_KEEP_BYTES)
+    )
+
+
 # --- the breaker ---
 class Breaker:
     """Closed → open after REMOTE_BREAKER_FAILURES failures in a row; open → one probe
@@ -492,6 +516,8 @@ class RemoteTier:
         heal by themselves); an unreachable Redis is only a warning (the breaker
         and the misses handle it until it answers), and so is a host name that does
         not resolve within --remote-timeout (start-up never waits on DNS longer)."""
+        if not reuse_freed_memory():
+            log.info("remote tier: not glibc: large values read from Redis are fresh mappings")
         try:
             if not self.resolver.first():
                 raise _Unresolved(f"{self.resolver.host} does not resolve (yet)")
