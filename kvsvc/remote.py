@@ -517,7 +517,7 @@ class RemoteTier:
         and the misses handle it until it answers), and so is a host name that does
         not resolve within --remote-timeout (start-up never waits on DNS longer)."""
         if not reuse_freed_memory():
-            log.info("remote tier: not glibc: large values read from Redis are fresh mappings")
+            log.info("remote tier: malloc keeps its defaults (not glibc, or mallopt refused)")
         try:
             if not self.resolver.first():
                 raise _Unresolved(f"{self.resolver.host} does not resolve (yet)")
