@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.common import KvsvcServer, md_table, pct
 from kvsvc.client import KVCacheClient
-from kvsvc.kvcache import SharedKVCache
+from kvsvc.client.kvcache import SharedKVCache
 
 TOKEN = secrets.token_hex(16)
 

@@ -17,7 +17,7 @@ import time
 
 from benchmarks.common import KvsvcServer, cpu_seconds
 from kvsvc.client import KVCacheClient
-from kvsvc.kvcache import SharedKVCache
+from kvsvc.client.kvcache import SharedKVCache
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 STORE_BYTES = 2 << 30

@@ -74,7 +74,8 @@ def asyncio_function(fn: Callable[..., Any]) -> bool:
 
 
 def patch_server(out: str) -> None:
-    from kvsvc import copies, server, transfer
+    from kvsvc.server import servicer as server
+    from kvsvc.server.data import copies, transfer
 
     servicer = server.KVCacheServicer
     _wrap(servicer, "_session_request", "server: request task starts", "server: request done")
@@ -130,7 +131,7 @@ def patch_server(out: str) -> None:
 
 
 def patch_client() -> None:
-    from kvsvc import session
+    from kvsvc.client import session
 
     sync = session.SyncSession
     _wrap(sync, "send", "client: request queued")
@@ -147,7 +148,7 @@ def patch_client() -> None:
 
 def serve(argv: list[str]) -> int:
     patch_server(os.environ["KVSVC_STAGES_OUT"])
-    from kvsvc.cli import main
+    from kvsvc.cli.main import main
 
     return main(argv)
 
@@ -186,7 +187,7 @@ def _between(how: str, seconds: float) -> Callable[[], None]:
 def run(chunk_blocks: int, calls: int, op: str, between: str = "none", gap_ms: float = 20.0) -> str:
     from benchmarks.common import SERVING_RE, stop_process, wait_for_address
     from kvsvc.client import KVCacheClient
-    from kvsvc.kvcache import SharedKVCache
+    from kvsvc.client.kvcache import SharedKVCache
 
     patch_client()
     work = Path(tempfile.mkdtemp(prefix="kvsvc-stages-"))

@@ -55,7 +55,7 @@ from benchmarks.common import (
 )
 from benchmarks.echo_server import ECHO_METHOD, ECHO_STREAM
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
-from kvsvc.config import channel_options
+from kvsvc.limits import channel_options
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 

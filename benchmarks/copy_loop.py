@@ -1,6 +1,6 @@
 """The copy path alone, without gRPC: one chunk of a Llama-3-8B-shaped vLLM KV
 cache on a sealed memfd copied into the chunk store (Store) and back (Retrieve)
-by kvsvc.copies' real pieces and tasks on 2 threads, with the native copy loop
+by kvsvc.server.data.copies' real pieces and tasks on 2 threads, with the native copy loop
 and with the Python loop it falls back to, beside one plain torch copy of as
 many contiguous bytes (torch's 2 intra-op threads), in alternating rounds.
 
@@ -24,11 +24,12 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import md_table
-from kvsvc import copies, fdpass
-from kvsvc.fdbroker import FdBroker
-from kvsvc.kvcache import SharedKVCache, rank_context
-from kvsvc.regions import Mapping, open_rank
-from kvsvc.store import ChunkStore
+from kvsvc.client import fdpass
+from kvsvc.client.kvcache import SharedKVCache, rank_context
+from kvsvc.server.data import copies
+from kvsvc.server.data.fdbroker import FdBroker
+from kvsvc.server.data.regions import Mapping, open_rank
+from kvsvc.server.data.store import ChunkStore
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # 2 MiB per block (all layers, K and V)
 THREADS = 2

@@ -53,7 +53,7 @@ from benchmarks.common import (
     md_table,
 )
 from kvsvc.client import KVCacheClient
-from kvsvc.kvcache import SharedKVCache
+from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -29,7 +29,7 @@ ECHO_STREAM = "/bench.Echo/Stream"
 async def serve_grpc(listen: str, reply: bytes) -> None:
     import grpc
 
-    from kvsvc.config import server_options
+    from kvsvc.limits import server_options
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return reply

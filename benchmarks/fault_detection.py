@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import FatalServerError, KVServiceError, RemoteHandlerError
-from kvsvc.health import SERVICE_NAME
+from kvsvc.server.health import SERVICE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING

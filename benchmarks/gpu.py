@@ -1,6 +1,6 @@
 """GPU data plane: pinned D2H (Store) and H2D (Retrieve) throughput through a real
 `kvsvc serve --device cuda` mapping the engine's KV tensors by CUDA IPC
-(kvsvc.kvcache.describe_cuda_tensors), against a raw ``copy_`` of the same bytes
+(kvsvc.client.kvcache.describe_cuda_tensors), against a raw ``copy_`` of the same bytes
 between a pinned host buffer and the same device tensors, in one run, in
 alternating rounds. Only where a GPU exists; elsewhere it prints why it skipped
 and exits 0. Any inconsistency (no CUDA on the server side, unpinned buffer,
@@ -70,7 +70,7 @@ def run(*, quick: bool, threads: int = 2, progress: Progress | None = None) -> d
 
 def run_case(server: KvsvcServer, chunk_blocks: int, batch: int, seconds: float) -> list[dict]:
     from kvsvc.client import KVCacheClient
-    from kvsvc.kvcache import describe_cuda_tensors
+    from kvsvc.client.kvcache import describe_cuda_tensors
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

@@ -12,7 +12,8 @@ other (gRPC core) threads per call, from /proc:
 5. ``kvsvc``: kvsvc's server as shipped.
 
 Servers are measured in alternating rounds. The patches touch private
-attributes of kvsvc.lifecycle and kvsvc.server; if they no longer exist the rung fails loudly.
+attributes of kvsvc.server.lifecycle and kvsvc.server.servicer; if they no longer exist
+the rung fails loudly.
 
     python -m benchmarks.lookup_cost [--seconds 4] [--rounds 2] [--concurrency 8]
 """
@@ -33,7 +34,7 @@ from benchmarks.common import NullProgress, Progress, md_table, thread_cpu
 from benchmarks.control_plane import KEYS, NAMESPACE, Subprocess, lookup_request, sizes
 from benchmarks.echo_server import ECHO_METHOD
 from kvsvc.client import KVCacheClient
-from kvsvc.config import channel_options
+from kvsvc.limits import channel_options
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
 RUNGS = ("echo", "proto", "kvsvc-bare", "kvsvc-nometrics", "kvsvc")
@@ -44,7 +45,7 @@ async def _serve_proto() -> None:
     from grpc_health.v1 import health, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from kvsvc.config import server_options
+    from kvsvc.limits import server_options
     from kvsvc.v1 import kv_cache_service_pb2 as pb
 
     reply = pb.LookupResponse(
@@ -67,8 +68,8 @@ async def _serve_proto() -> None:
 
 
 async def _serve_kvsvc(rung: str) -> None:
-    from kvsvc import lifecycle as kv_server
-    from kvsvc.config import ServerConfig
+    from kvsvc.server import lifecycle as kv_server
+    from kvsvc.server.config import ServerConfig
 
     class _NoMetric:
         def labels(self, *args: object) -> _NoMetric:

@@ -28,8 +28,8 @@ from typing import Any
 
 from benchmarks.common import KvsvcServer, NullProgress, Progress, md_table, proc_status
 from kvsvc.client import KVCacheClient
+from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.errors import KVServiceError
-from kvsvc.kvcache import SharedKVCache
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.common import KvsvcServer, md_table, thread_cpu
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
-from kvsvc.kvcache import SharedKVCache
+from kvsvc.client.kvcache import SharedKVCache
 
 KEYS = [b"%032d" % i for i in range(8)]
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -41,9 +41,9 @@ import redis
 
 from benchmarks.common import REPO, KvsvcServer, machine_info, machine_line, md_table, pct
 from kvsvc.client import KVCacheClient
-from kvsvc.config import REMOTE_WRITERS
-from kvsvc.kvcache import SharedKVCache
-from kvsvc.remote import value_connection_settings
+from kvsvc.client.kvcache import SharedKVCache
+from kvsvc.server.config import REMOTE_WRITERS
+from kvsvc.server.tiers.redis import value_connection_settings
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -105,7 +105,7 @@ def raw_round_like_tier(
     writers: list[redis.Redis], data: bytes, n: int, tag: str
 ) -> tuple[float, float]:
     """raw_round shaped as the tier works: its connection settings
-    (kvsvc.remote.value_connection_settings), the SETs split over REMOTE_WRITERS
+    (kvsvc.server.tiers.redis.value_connection_settings), the SETs split over REMOTE_WRITERS
     connections at once (its writer threads), the GETs one pipeline (one reader)."""
     keys = [f"like:{tag}:{i}" for i in range(n)]
     share = [keys[i :: len(writers)] for i in range(len(writers))]

@@ -1,3 +1,3 @@
-from kvsvc.cli import main
+from kvsvc.cli.main import main
 
 raise SystemExit(main())

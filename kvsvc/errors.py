@@ -270,7 +270,7 @@ _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
 class Reason:
     """One ``reason`` of the wire contract. README's reason table and the Node and Go
     clients' tests are checked against these (scripts/gen_reasons.py,
-    proto/kvsvc/v1/reasons.json); tests/test_reasons.py fails on a reason raised
+    proto/kvsvc/v1/reasons.json); tests/server/test_reasons.py fails on a reason raised
     anywhere in kvsvc that is not declared here."""
 
     name: str
@@ -767,7 +767,7 @@ class _BoundedLog:
 BoundedLog = _BoundedLog  # the public name (kvsvc.integrations use it)
 
 MALFORMED_LOG_INTERVAL_S = 10.0
-_malformed_log = _BoundedLog(logging.getLogger("kvsvc.server"), MALFORMED_LOG_INTERVAL_S)
+_malformed_log = _BoundedLog(logging.getLogger("kvsvc.server.servicer"), MALFORMED_LOG_INTERVAL_S)
 
 
 def request_parser(message_cls: type[Message]) -> Callable[[bytes], Message | Unparsed]:

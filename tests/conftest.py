@@ -22,9 +22,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.client import KVCacheClient
-from kvsvc.config import ServerConfig
-from kvsvc.kvcache import SharedKVCache
-from kvsvc.lifecycle import Server
+from kvsvc.client.kvcache import SharedKVCache
+from kvsvc.server.config import ServerConfig
+from kvsvc.server.lifecycle import Server
 
 REPO = Path(__file__).resolve().parent.parent
 

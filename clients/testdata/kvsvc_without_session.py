@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvsvc.cli import main
-from kvsvc.lifecycle import Server
+from kvsvc.cli.main import main
+from kvsvc.server.lifecycle import Server
 
 _add = Server._add_service
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from kvsvc.copies import SEGMENT_BYTES, checksum, segments
 from kvsvc.errors import CapacityExhausted, DataLoss
-from kvsvc.store import (
+from kvsvc.server.data.copies import SEGMENT_BYTES, checksum, segments
+from kvsvc.server.data.store import (
     ALIGN,
     INLINE_LAYOUT,
     Chunk,

@@ -1,4 +1,4 @@
-"""The checksum of the copy path: the native copy loop (kvsvc/native, built by
+"""The checksum of the copy path: the native copy loop (kvsvc/server/data/native, built by
 ``make``) and the ``crc32c`` package it falls back to must give the same CRC-32C
 for every length and alignment, on the CPU instruction and on tables, and a native
 copy must leave the GIL to other threads while it runs."""
@@ -15,7 +15,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from kvsvc import copies
+from kvsvc.server.data import copies
 
 # Lengths around every boundary of the native loop: 8-byte words, the three
 # interleaved 256-byte and 8 KiB streams, folding (from 1 KiB: 256-byte rounds,

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvsvc.config import (
-    MAX_DEADLINE_S,
+from kvsvc.errors import InvalidDeadline, InvalidRequest
+from kvsvc.limits import MAX_DEADLINE_S, GiB, MiB, validate_deadline
+from kvsvc.server.config import (
     ConfigError,
-    GiB,
-    MiB,
     ServerConfig,
     _listen_address,
     _parse_size,
@@ -29,9 +28,7 @@ from kvsvc.config import (
     format_size,
     parse_server_config,
     show_value,
-    validate_deadline,
 )
-from kvsvc.errors import InvalidDeadline, InvalidRequest
 
 
 @pytest.fixture(autouse=True)
@@ -207,7 +204,7 @@ def test_check_listen_refuses_a_port_in_use_in_one_line() -> None:
 
 def test_vllm_connector_config_keys_env_and_validation() -> None:
     """kv_connector_extra_config wins over KVSVC_VLLM_* env; a typo is an error."""
-    from kvsvc.config import VllmConnectorConfig
+    from kvsvc.integrations.vllm.config import VllmConnectorConfig
 
     env = {"KVSVC_VLLM_TARGET": "10.0.0.1:1", "KVSVC_VLLM_LOOKUP_TIMEOUT_S": "0.02"}
     cfg = VllmConnectorConfig.parse({"blocks_per_chunk": 4}, env)

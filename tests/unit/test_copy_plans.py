@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsvc.copies import copy_range, plan
 from kvsvc.errors import InvalidRequest, RegionUnavailable
 from kvsvc.layout import HandleKey, HandleKind, TensorLayout, parse_tensor
-from kvsvc.regions import Mapping, RankMapping, open_rank
+from kvsvc.server.data.copies import copy_range, plan
+from kvsvc.server.data.regions import Mapping, RankMapping, open_rank
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 EL = 2  # bf16

@@ -1,6 +1,6 @@
 """Failpoints are inert until loaded: importing kvsvc (the server included) reads
 no environment, so a bad KVSVC_FAILPOINTS cannot break an import and an embedded
-server injects nothing; `kvsvc serve` loads the table (tests/test_faults.py runs
+server injects nothing; `kvsvc serve` loads the table (tests/server/test_faults.py runs
 it). The hot paths read ``failpoints.ENABLED`` at call time."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc import cli, failpoints
+from kvsvc.cli import main as cli
+from kvsvc.server import failpoints
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def inert() -> Iterator[None]:
 def test_importing_kvsvc_ignores_the_environment() -> None:
     """Before: the table was parsed at import, so a bad one made `import` raise."""
     code = (
-        "from kvsvc import failpoints, cli\n"
+        "from kvsvc.server import failpoints\nfrom kvsvc.cli import main as cli\n"
         "assert not failpoints.ENABLED and failpoints.active() == {}\n"
         "failpoints.hit('store.put')\n"
     )

@@ -1,6 +1,6 @@
 """Metrics read the server through narrow views, at scrape time: plain objects
 stand in for the store, health, transfers, mappings and fd socket here, and each
-gauge follows them live. (tests/test_metrics.py scrapes a real server.)"""
+gauge follows them live. (tests/server/test_metrics.py scrapes a real server.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsvc.metrics import Metrics
+from kvsvc.server.metrics import Metrics
 
 
 @dataclass

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvsvc.config import (
+from kvsvc.server.config import (
     ConfigError,
     ServerConfig,
     _remote_url,
@@ -15,8 +15,8 @@ from kvsvc.config import (
     redact_url,
     remote_password,
 )
-from kvsvc.copies import checksum, segments
-from kvsvc.remote import (
+from kvsvc.server.data.copies import checksum, segments
+from kvsvc.server.tiers.redis import (
     BAD_CHECKSUM,
     BAD_HEADER,
     CLOSED,

@@ -1,10 +1,10 @@
-"""kvsvc.session.batched: what queued behind a Session write goes out in as few
+"""kvsvc.client.session.batched: what queued behind a Session write goes out in as few
 messages as fit under BATCH_BYTES, in order, each request exactly once; a request
 bigger than that goes alone (gRPC's message limit is far above it)."""
 
 from __future__ import annotations
 
-from kvsvc.session import BATCH_BYTES, batched
+from kvsvc.framing import BATCH_BYTES, batched
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 

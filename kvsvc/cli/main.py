@@ -1,0 +1,177 @@
+"""The ``kvsvc`` command: ``serve``, ``demo`` and ``failpoints``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from kvsvc import __version__
+from kvsvc.logs import setup_logging
+from kvsvc.server import failpoints
+from kvsvc.server.config import (
+    TOKEN_FILE_ENV,
+    ConfigError,
+    add_server_arguments,
+    check_host,
+    check_listen,
+    check_security,
+    config_from_args,
+    env_name,
+    read_token_file,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvsvc",
+        description="kvsvc: moves LLM KV-cache blocks between engine workers and a cache server",
+    )
+    parser.add_argument("--version", action="version", version=f"kvsvc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the kvsvc server. Every flag has a KVSVC_* environment equivalent.",
+    )
+    add_server_arguments(serve)
+
+    demo = sub.add_parser(
+        "demo",
+        help="map a synthetic KV cache, store, look up, retrieve, verify, show errors",
+        description="Run the kvsvc demo against --target, or against a server it starts itself.",
+    )
+    demo.add_argument(
+        "--target",
+        default=None,
+        help="HOST:PORT or unix:PATH of a running server (default: start one)",
+    )
+    demo.add_argument(
+        "--shm-dir",
+        default=os.environ.get("KVSVC_SHM_DIR", "/dev/shm"),
+        help="shared-memory directory the server maps from (env KVSVC_SHM_DIR)",
+    )
+    demo.add_argument(
+        "--memfd",
+        action="store_true",
+        help="pass sealed memfds over the server's fd socket instead of files in the shm "
+        "dir: what an engine in another container does",
+    )
+    demo.add_argument(
+        "--fd-socket",
+        default=None,
+        help="the server's fd socket as this process sees it (default: where the server "
+        "says it is)",
+    )
+
+    demo.add_argument(
+        "--token-file",
+        default=os.environ.get(TOKEN_FILE_ENV, ""),
+        help=f"file holding the bearer token of a server with --auth-token-file (env "
+        f"{TOKEN_FILE_ENV}); the token is never taken on the command line",
+    )
+
+    init_auth = sub.add_parser(
+        "init-auth",
+        help="make a first tenant file and its token, unless the tenant file exists",
+        description="Write a tenant file with one tenant (every namespace) and a random "
+        "256-bit token, stored there only as its SHA-256, and the token itself in "
+        "'token' beside it; both mode 0600. Does nothing if the tenant file exists.",
+    )
+    init_auth.add_argument(
+        "--tenant-file",
+        default=os.environ.get(env_name("auth_token_file"), ""),
+        help=f"where the tenant file goes (env {env_name('auth_token_file')})",
+    )
+
+    sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            return _serve(args, serve)
+        except KeyboardInterrupt:  # Ctrl-C before serve() handles signals: nothing made yet
+            return 130
+    if args.command == "demo":
+        from kvsvc.cli.demo import run_demo
+
+        setup_logging("WARNING", "text")
+        try:
+            token = read_token_file(args.token_file) if args.token_file else None
+        except ConfigError as exc:
+            print(f"kvsvc demo: {exc}", file=sys.stderr)
+            return 2
+        return run_demo(
+            args.target, args.shm_dir, memfd=args.memfd, fd_socket=args.fd_socket, token=token
+        )
+    if args.command == "init-auth":
+        return _init_auth(args.tenant_file)
+    if args.command == "failpoints":
+        try:
+            failpoints.parse(os.environ.get(failpoints.ENV, ""))
+        except ValueError as exc:
+            print(f"kvsvc failpoints: {failpoints.ENV}: {exc}", file=sys.stderr)
+            return 2
+
+        print("Set KVSVC_FAILPOINTS='name=[TAG@][P*]ACTION;...' before the server starts.")
+        print(
+            "Actions: raise, sleep(MS), hang, kill-thread; TAG@ limits a point to a rank or RPC.\n"
+        )
+        for name, where in failpoints.POINTS.items():
+            print(f"  {name:24} {where}")
+        return 0
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _init_auth(path: str) -> int:
+    from kvsvc.server.auth import TOKEN_FILE_NAME, init_tenant_file
+
+    if not path:
+        print(
+            f"kvsvc init-auth: give --tenant-file or {env_name('auth_token_file')}",
+            file=sys.stderr,
+        )
+        return 2
+    token_path = os.path.join(os.path.dirname(path) or ".", TOKEN_FILE_NAME)
+    try:
+        made = init_tenant_file(path)
+    except OSError as exc:
+        print(f"kvsvc init-auth: cannot write {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    done = "wrote" if made else "kept the existing"
+    print(f"kvsvc init-auth: {done} {path} (token in {token_path})")
+    return 0
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Every invalid configuration is one line and exit 2, before anything is made:
+    a bad flag or KVSVC_* value is a usage error; an address that cannot be bound
+    is `kvsvc serve: cannot listen on ...`."""
+    config = config_from_args(args, parser)
+    try:
+        check_host(config)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    try:
+        check_listen(config)
+        check_security(config)
+    except ConfigError as exc:
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    try:
+        failpoints.load_from_env()  # the only place a failpoint table is installed
+    except ValueError as exc:
+        print(f"kvsvc serve: {failpoints.ENV}: {exc}", file=sys.stderr)
+        return 2
+    from kvsvc.server.lifecycle import serve as run_server
+
+    try:
+        return asyncio.run(run_server(config))
+    except ConfigError as exc:  # the port was taken between the check and the bind
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2

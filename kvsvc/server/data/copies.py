@@ -1,0 +1,581 @@
+"""The copy path, in one place: the checksum (shared with the store), copy plans
+(an engine's blocks as merged byte runs), the pieces one Store or Retrieve is
+cut into, and how they are grouped into tasks for the copy threads.
+
+The engine's side of a copy is ``Blocks`` (blocks under a mapping: memcpy from a
+sealed memfd, ``preadv``/``pwritev`` on a shm file, CUDA copies into pinned
+memory) or ``Inline`` (bytes carried in the message). Handlers pick one per chunk;
+everything after that is the same for both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import torch
+
+from kvsvc.errors import DataLoss, LayoutMismatch
+from kvsvc.server import failpoints
+from kvsvc.server.data.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
+
+log = logging.getLogger(__name__)
+
+#: Checksums cover 1 MiB segments of a chunk, so the pieces of one chunk can be
+#: copied (and hashed while in cache) by several threads at once.
+SEGMENT_BYTES = 1 << 20
+#: Below this a copy runs as one task: a hand-off between threads costs more
+#: than the parallel copy saves.
+PARALLEL_MIN_BYTES = 4 << 20
+#: What a chunk's checksums are. Format 1 was xxh3-64 per segment; format 2 is
+#: CRC-32C per segment, which the native copy loop computes in the same GIL-free
+#: call as the copy (the CPU's crc32 instruction needs no header beyond the
+#: compiler's), and the ``crc32c`` package computes identically without it.
+STORE_FORMAT = 2
+CHECKSUM_ALGORITHM = "crc32c"
+#: Copy plans kept per mapping (by block ids); an engine reuses its block ids.
+PLAN_CACHE_SIZE = 4096
+
+Digest = tuple[int, int, int]  # (chunk index, segment index, CRC-32C)
+Piece = Callable[[], list[Digest]]
+
+
+def segments(size: int) -> list[tuple[int, int]]:
+    """[lo, hi) byte ranges of a chunk's checksum segments."""
+    return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
+
+
+def segment_count(size: int) -> int:
+    """``len(segments(size))``, without making the list (per call on the hot path)."""
+    return max(1, -(-size // SEGMENT_BYTES))
+
+
+def checksum(view: memoryview | bytes) -> int:
+    """CRC-32C of a segment (the package drops the GIL for large buffers)."""
+    return int(crc32c.crc32c(view))
+
+
+class NativeCopy:
+    """The compiled copy loop (``kvsvc/server/data/native/copyloop.c``, built by ``make``): one
+    call copies a run of segments between an engine's sealed memfd and a chunk and
+    checksums each, with the GIL released for the whole call (ctypes drops it), so
+    a copy thread takes the GIL once per task instead of twice per segment."""
+
+    PATH = Path(__file__).with_name("native") / "libkvsvc_copy.so"
+
+    def __init__(self, path: Path = PATH) -> None:
+        lib = ctypes.CDLL(str(path))
+        u32, vp, size = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t
+        lib.kvsvc_crc32c_init.restype = ctypes.c_int
+        #: 0: CRC on tables; 1: the crc32 instruction; 2: and VPCLMULQDQ folding
+        self.level = lib.kvsvc_crc32c_init()
+        self.hardware = self.level > 0
+        for name in ("kvsvc_crc32c", "kvsvc_crc32c_nofold", "kvsvc_crc32c_tables"):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = u32, [u32, vp, size]
+        self.crc32c, self.crc32c_tables = lib.kvsvc_crc32c, lib.kvsvc_crc32c_tables
+        self.crc32c_nofold = lib.kvsvc_crc32c_nofold
+        self._nt = getattr(lib, "kvsvc_copy_nt", None)  # absent from an older build
+        if self._nt is not None:
+            self._nt.restype, self._nt.argtypes = ctypes.c_int, [ctypes.c_int]
+        #: copies write with non-temporal stores (where the CRC folds; see copyloop.c)
+        self.streaming = self.stream(True)
+        fn = lib.kvsvc_copy_segments
+        fn.restype = ctypes.c_long
+        fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+        fn.argtypes += [ctypes.c_int, vp, ctypes.POINTER(u32)]
+        self._copy = fn
+        claim = getattr(lib, "kvsvc_copy_claim", None)  # absent from an older build
+        if claim is not None:
+            claim.restype = ctypes.c_long
+            claim.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, vp]
+            claim.argtypes += [ctypes.POINTER(u32), vp, vp, size, size, vp, ctypes.c_uint64]
+        self._claim = claim
+        #: tasks of one chunk's copy share its segments in C (``claim``)
+        self.claims = claim is not None
+
+    def stream(self, on: bool) -> bool:
+        """Use non-temporal stores or not (for tests and benchmarks that compare
+        both paths); returns whether they are used now."""
+        self.streaming = bool(self._nt(int(on))) if self._nt is not None else False
+        return self.streaming
+
+    def copy(
+        self,
+        runs: np.ndarray,
+        addr: int,
+        lo: int,
+        hi: int,
+        digests: ctypes.Array,
+        *,
+        to_store: bool,
+    ) -> tuple[int, int]:
+        """Copy chunk bytes [lo, hi) (``lo`` on a segment boundary) between the
+        engine (``runs``: rows of engine address, chunk offset, length) and the
+        chunk at ``addr``. A Store writes each segment's checksum into ``digests``;
+        a Retrieve checks each against ``digests`` before copying it out and stops
+        at the first mismatch. Returns (-1, 0), or (failed segment from lo, its CRC)."""
+        got = ctypes.c_uint32()
+        failed = self._copy(
+            runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
+            ctypes.addressof(digests), ctypes.byref(got),
+        )  # fmt: skip
+        return failed, got.value
+
+    def claim(
+        self, runs: np.ndarray, addr: int, size: int, claims: Claims, me: int, *, to_store: bool
+    ) -> tuple[int, int]:
+        """Task ``me``'s part of a chunk's copy shared by ``claims`` (see Claims):
+        its own segments, then help with the others'. Returns (-1, 0), or (the
+        failed segment, its CRC)."""
+        assert self._claim is not None
+        got = ctypes.c_uint32()
+        failed = self._claim(
+            runs.ctypes.data, len(runs), addr, size, SEGMENT_BYTES, int(to_store),
+            ctypes.addressof(claims.digests), ctypes.byref(got), ctypes.addressof(claims.ranges),
+            ctypes.addressof(claims.starts), len(claims.starts), me,
+            ctypes.addressof(claims.owner), claims.share(me),
+        )  # fmt: skip
+        return failed, got.value
+
+
+def load_native(path: Path = NativeCopy.PATH) -> NativeCopy | None:
+    """The native copy loop, or None (the Python loop then does the same work)."""
+    if not path.exists():
+        log.info("%s is not built (make builds it): copies run the Python loop", path.name)
+        return None
+    try:
+        return NativeCopy(path)
+    except OSError as exc:
+        log.warning("cannot load %s (%s): copies run the Python loop", path, exc)
+        return None
+
+
+#: The loaded native copy loop; None runs every copy in Python (tests set it).
+NATIVE: NativeCopy | None = load_native()
+
+
+@dataclass
+class ChunkBuffer:
+    """A chunk's bytes in the store, as the copy pieces see them."""
+
+    view: memoryview
+    addr: int  # where ``view`` starts, for memcpy
+    store_tensor: torch.Tensor  # the whole store (pinned on CUDA hosts)
+    offset: int  # of the chunk in ``store_tensor``
+    namespace: str
+    key: bytes
+    expected: list[int]  # stored checksums, one per segment (empty while storing)
+    on_mismatch: Callable[[], None]
+
+    @property
+    def size(self) -> int:
+        return len(self.view)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The chunk's bytes as a tensor, for CUDA copies (a torch slice costs
+        microseconds: only CUDA copies make it)."""
+        return self.store_tensor[self.offset : self.offset + self.size]
+
+    def verify(self, segment: int, digest: int) -> None:
+        """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
+        if digest != self.expected[segment]:
+            self.on_mismatch()
+            raise DataLoss(
+                f"checksum mismatch on chunk {self.key.hex()[:32]} segment {segment} "
+                f"(stored {self.expected[segment]:016x}, read {digest:016x})",
+                metadata={"key": self.key.hex(), "namespace": self.namespace, "segment": segment},
+            )
+
+
+# --- copy plans and copies between an engine's blocks and a chunk ---
+@dataclass
+class CopyPlan:
+    block_ids: list[int]
+    ops: list[tuple[HostRegion, int, int, int]]  # (region, region offset, chunk offset, n)
+    starts: list[int]  # chunk offset of each op, for bisect
+    #: For the native loop (memfd regions only): rows of (address, chunk offset, n).
+    runs: np.ndarray | None = None
+
+
+def plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
+    """The copy of one chunk: merged (region, region offset, chunk offset, length)
+    runs in chunk order (shared memory), or the block ids (CUDA)."""
+    if mapping.is_cuda:
+        return CopyPlan(block_ids, [], [])
+    ops: list[tuple[HostRegion, int, int, int]] = []
+    pos = 0
+    last: HostRegion | None = None
+    last_end = -1
+    for rank in mapping.ranks:
+        for t in rank.tensors:
+            region = rank.regions[t.handle_key]
+            assert not isinstance(region, CudaRegion)
+            for off, n in t.runs(block_ids):
+                if region is last and off == last_end:  # contiguous: extend the run
+                    r, o, p, m = ops[-1]
+                    ops[-1] = (r, o, p, m + n)
+                else:
+                    ops.append((region, off, pos, n))
+                last, last_end = region, off + n
+                pos += n
+    runs = None
+    if all(isinstance(op[0], MemfdRegion) for op in ops):
+        rows = [(r.base + o, p, n) for r, o, p, n in ops]  # type: ignore[union-attr]
+        runs = np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    return CopyPlan(block_ids, ops, [op[2] for op in ops], runs)
+
+
+_plan_lock = threading.Lock()
+
+
+def cached_plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
+    """The plan of these blocks, made once per mapping (engines reuse block ids)."""
+    key = tuple(block_ids)
+    found: CopyPlan | None = mapping.plans.get(key)
+    if found is None:
+        found = plan(mapping, block_ids)
+        with _plan_lock:
+            if len(mapping.plans) >= PLAN_CACHE_SIZE:
+                del mapping.plans[next(iter(mapping.plans))]
+            mapping.plans[key] = found
+    return found
+
+
+def copy_range(
+    plan: CopyPlan, buf: memoryview, addr: int, lo: int, hi: int, *, to_store: bool
+) -> int:
+    """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
+    store, at address ``addr``); returns the CRC-32C of those chunk bytes, taken
+    right after the copy while they are still in cache. (On a Retrieve the blocks
+    are written before the check: a mismatch fails the call with DATA_LOSS, so
+    the engine never uses them.)"""
+    ops = plan.ops
+    i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
+    files: set[ShmRegion] = set()
+    if not to_store:  # a write must not re-grow a truncated file
+        files = {
+            op[0]
+            for op in ops[i : bisect.bisect_left(plan.starts, hi)]
+            if isinstance(op[0], ShmRegion)
+        }
+        for f in files:
+            f.check_size()
+    while i < len(ops) and ops[i][2] < hi:
+        region, off, pos, n = ops[i]
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            if to_store:
+                region.read(off + (a - pos), buf, addr, a, b)
+            else:
+                region.write(off + (a - pos), buf, addr, a, b)
+        i += 1
+    for f in files:
+        f.check_size()
+    return checksum(buf[lo:hi])
+
+
+def copy_cuda(
+    mapping: Mapping, block_ids: list[int], host: torch.Tensor, *, to_store: bool
+) -> None:
+    """Copy a whole chunk between CUDA blocks and its bytes in the pinned store
+    (``host``: a slice of the store's pinned tensor, so copies are async DMA)."""
+    pos = 0
+    used: list[CudaRegion] = []
+    for rank in mapping.ranks:
+        for t in rank.tensors:
+            region = rank.regions[t.handle_key]
+            assert isinstance(region, CudaRegion)
+            torch.cuda.set_device(region.device)
+            view = region.view(t)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=region.device)
+            n = t.block_bytes * len(block_ids)
+            out_shape = list(t.shape)
+            out_shape[t.block_dim] = len(block_ids)
+            part = host[pos : pos + n].view(view.dtype).view(out_shape)
+            with torch.cuda.stream(region.stream):
+                if to_store:
+                    part.copy_(view.index_select(t.block_dim, idx), non_blocking=True)
+                else:
+                    staged = part.to(region.device, non_blocking=True)
+                    view.index_copy_(t.block_dim, idx, staged)
+            used.append(region)
+            pos += n
+    for region in used:
+        region.stream.synchronize()
+
+
+# --- the engine's side of a copy: one per chunk ---
+class Blocks:
+    """Blocks of a mapping: stored from, or retrieved into."""
+
+    def __init__(self, mapping: Mapping, block_ids: list[int], chunk_index: int) -> None:
+        mapping.check_blocks(block_ids, chunk_index)
+        self.mapping = mapping
+        self.block_ids = block_ids
+        self.nbytes = len(block_ids) * mapping.block_bytes
+
+    @property
+    def loop_safe(self) -> bool:
+        """Its copies only move memory that cannot shrink (sealed memfds): they
+        neither block nor fault, so a small one may run on the event loop."""
+        return self.mapping.memfd_only
+
+    def check(self, size: int, chunk_index: int) -> None:
+        """A stored chunk fits these blocks exactly (Retrieve)."""
+        if size != self.nbytes:
+            raise LayoutMismatch(
+                f"chunk {chunk_index} holds {size // self.mapping.block_bytes} blocks, "
+                f"the request lists {len(self.block_ids)}",
+                reason="BLOCK_COUNT_MISMATCH",
+                metadata={"chunkIndex": chunk_index, "listedBlocks": len(self.block_ids)},
+            )
+
+    def pieces(self, chunk: ChunkBuffer, ci: int, *, to_store: bool) -> list[Piece]:
+        """One piece per checksum segment (one per chunk on CUDA). A Retrieve verifies
+        each segment against the stored checksums; a Store returns them. The copy
+        plan is made (or found in the mapping's cache) by the first piece that runs,
+        on a copy thread, so the event loop only validates and reserves."""
+        mapping = self.mapping
+        if mapping.is_cuda:
+            segs = segments(chunk.size)
+
+            def check(si: int, digest: int) -> list[Digest]:
+                if not to_store:
+                    chunk.verify(si, digest)
+                    return []
+                return [(ci, si, digest)]
+
+            def cuda_piece() -> list[Digest]:
+                out: list[Digest] = []
+                if not to_store:  # verify before the bytes reach the engine's blocks
+                    for si, (lo, hi) in enumerate(segs):
+                        out += check(si, checksum(chunk.view[lo:hi]))
+                copy_cuda(mapping, self.block_ids, chunk.tensor, to_store=to_store)
+                if to_store:
+                    for si, (lo, hi) in enumerate(segs):
+                        out += check(si, checksum(chunk.view[lo:hi]))
+                return out
+
+            return [cuda_piece]
+        job = _BlockCopy(mapping, self.block_ids, chunk, ci, to_store)
+        return [SegmentPiece(job, si) for si in range(segment_count(chunk.size))]
+
+
+class _BlockCopy:
+    """The copy of one chunk between host blocks and the store, run a span of
+    segments at a time: one native call per span where it can, else the Python loop."""
+
+    def __init__(
+        self, mapping: Mapping, block_ids: list[int], chunk: ChunkBuffer, ci: int, to_store: bool
+    ) -> None:
+        self.mapping, self.block_ids, self.chunk = mapping, block_ids, chunk
+        self.ci, self.to_store = ci, to_store
+
+    def run(self, a: int, b: int) -> list[Digest]:
+        """Segments [a, b) of the chunk."""
+        chunk, ci, to_store = self.chunk, self.ci, self.to_store
+        p = cached_plan(self.mapping, self.block_ids)
+        lo, hi = a * SEGMENT_BYTES, min(b * SEGMENT_BYTES, chunk.size)
+        native = NATIVE
+        if native is not None and p.runs is not None:
+            digests = (ctypes.c_uint32 * (b - a))(*([] if to_store else chunk.expected[a:b]))
+            failed, got = native.copy(p.runs, chunk.addr, lo, hi, digests, to_store=to_store)
+            if failed >= 0:
+                chunk.verify(a + failed, got)  # raises DataLoss
+            return [(ci, a + k, d) for k, d in enumerate(digests)] if to_store else []
+        out: list[Digest] = []
+        for si in range(a, b):
+            s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
+            digest = copy_range(p, chunk.view, chunk.addr, s_lo, s_hi, to_store=to_store)
+            if to_store:
+                out.append((ci, si, digest))
+            else:
+                chunk.verify(si, digest)
+        return out
+
+    def run_claimed(self, claims: Claims, me: int) -> list[Digest]:
+        """Task ``me`` of the chunk's copy shared by ``claims``: its segments, then
+        help with the others' (see Claims)."""
+        chunk, ci, to_store = self.chunk, self.ci, self.to_store
+        p = cached_plan(self.mapping, self.block_ids)
+        native = NATIVE
+        if native is not None and p.runs is not None and native.claims:
+            failed, got = native.claim(
+                p.runs, chunk.addr, chunk.size, claims, me, to_store=to_store
+            )
+            if failed >= 0:
+                chunk.verify(failed, got)  # raises DataLoss
+            return [(ci, s, claims.digests[s]) for s in claims.mine(me)] if to_store else []
+        out: list[Digest] = []
+        while (si := claims.next(me)) is not None:
+            s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
+            digest = copy_range(p, chunk.view, chunk.addr, s_lo, s_hi, to_store=to_store)
+            if to_store:
+                out.append((ci, si, digest))
+            elif digest != claims.digests[si]:
+                claims.stop()
+                chunk.verify(si, digest)  # raises DataLoss
+        return out
+
+
+class Claims:
+    """One chunk's segments split into a range per task, each claimed a segment at a
+    time: from its front by its own task, from its back by a task that has finished
+    its own (only once the owner has claimed its first, so each range's first
+    segment is always its owner's). Every thread ends within about a segment of the
+    others, however late a copy thread woke; each segment is copied once. The
+    native loop claims in C (one GIL-free call per task); the Python loop under a
+    lock. ``owner[s]`` is the task (+1) that copied segment s; ``digests`` the
+    segments' CRCs (a Store's results, a Retrieve's expected values)."""
+
+    def __init__(self, bounds: list[tuple[int, int]], expected: list[int] | None) -> None:
+        n = bounds[-1][1]
+        self.bounds = bounds
+        self.ranges = (ctypes.c_uint64 * len(bounds))(*(a | b << 32 for a, b in bounds))
+        self.starts = (ctypes.c_uint32 * len(bounds))(*(a for a, _ in bounds))
+        self.owner = (ctypes.c_uint8 * n)()
+        self.digests = (ctypes.c_uint32 * n)(*(expected or []))
+        self._lock = threading.Lock()
+
+    def share(self, me: int) -> int:
+        a, b = self.bounds[me]
+        return (b - a) * SEGMENT_BYTES
+
+    def next(self, me: int) -> int | None:
+        """(Python loop) The next segment task ``me`` copies, or None: all are taken."""
+        with self._lock:
+            order = [me, *(k for k in range(len(self.bounds)) if k != me)]
+            for k in order:
+                v = self.ranges[k]
+                front, back = v & 0xFFFFFFFF, v >> 32
+                if front >= back or (k != me and front == self.starts[k]):
+                    continue
+                if k == me:
+                    self.ranges[k] = (front + 1) | back << 32
+                    s = front
+                else:
+                    self.ranges[k] = front | (back - 1) << 32
+                    s = back - 1
+                self.owner[s] = me + 1
+                return s
+            return None
+
+    def stop(self) -> None:
+        """(Python loop) A check failed: nobody claims another segment."""
+        with self._lock:
+            for k in range(len(self.bounds)):
+                back = self.ranges[k] >> 32
+                self.ranges[k] = back | back << 32
+
+    def mine(self, me: int) -> list[int]:
+        """The segments task ``me`` copied (once every task has ended)."""
+        return [s for s, o in enumerate(self.owner) if o == me + 1]
+
+
+class SegmentPiece:
+    """One checksum segment of a chunk's copy; ``tasks`` runs neighbours as one span."""
+
+    __slots__ = ("job", "si")
+
+    def __init__(self, job: _BlockCopy, si: int) -> None:
+        self.job, self.si = job, si
+
+    def __call__(self) -> list[Digest]:
+        return self.job.run(self.si, self.si + 1)
+
+
+class Inline:
+    """Bytes carried in the message: stored from ``data``, or retrieved into ``out``."""
+
+    #: copies between the message and the store never block
+    loop_safe = True
+
+    def __init__(self, data: bytes = b"") -> None:
+        self.data = data
+        self.nbytes = len(data)
+        self.out = bytearray()
+
+    def check(self, size: int, chunk_index: int) -> None:
+        """Any stored size fits: the reply carries it."""
+
+    def pieces(self, chunk: ChunkBuffer, ci: int, *, to_store: bool) -> list[Piece]:
+        if not to_store:
+            self.out = bytearray(chunk.size)
+        data, dst = memoryview(self.data), chunk.view
+        out = memoryview(self.out)
+
+        def piece(si: int, lo: int, hi: int) -> Piece:
+            def store() -> list[Digest]:
+                dst[lo:hi] = data[lo:hi]
+                return [(ci, si, checksum(dst[lo:hi]))]
+
+            def load() -> list[Digest]:
+                out[lo:hi] = dst[lo:hi]
+                chunk.verify(si, checksum(out[lo:hi]))
+                return []
+
+            return store if to_store else load
+
+        return [piece(si, lo, hi) for si, (lo, hi) in enumerate(segments(chunk.size))]
+
+
+Side = Blocks | Inline
+
+
+def tasks(pieces: list[Piece], nbytes: int, threads: int) -> list[Callable[[], list[Digest]]]:
+    """The pieces of one copy as a few tasks, one per copy thread at most; small
+    copies run as one task. Neighbouring segments of one chunk run as one span
+    (one native call)."""
+    threads = threads if nbytes > PARALLEL_MIN_BYTES else 1
+    n_tasks = max(1, min(len(pieces), threads))
+    per = -(-len(pieces) // n_tasks)
+    job = pieces[0].job if isinstance(pieces[0], SegmentPiece) else None
+    if (
+        n_tasks > 1
+        and job is not None
+        and not failpoints.ENABLED  # the transfer.copy failpoint cuts static spans
+        and all(
+            isinstance(p, SegmentPiece) and p.job is job and p.si == i for i, p in enumerate(pieces)
+        )
+    ):
+        # One chunk's segments (in order: Blocks.pieces): its tasks share them.
+        bounds = [(i, min(i + per, len(pieces))) for i in range(0, len(pieces), per)]
+        claims = Claims(bounds, None if job.to_store else job.chunk.expected)
+        return [functools.partial(job.run_claimed, claims, me) for me in range(len(bounds))]
+
+    def task(group: list[Piece], first: int) -> Callable[[], list[Digest]]:
+        def run() -> list[Digest]:
+            out: list[Digest] = []
+            i = 0
+            # The transfer.copy failpoint fires before the copy's second piece (only
+            # when failpoints are loaded is a span cut there).
+            cut = 1 if failpoints.ENABLED else -1
+            while i < len(group):
+                if first + i == cut:
+                    failpoints.hit("transfer.copy")
+                piece, j = group[i], i + 1
+                if isinstance(piece, SegmentPiece):
+                    while j < len(group) and first + j != cut:
+                        nxt = group[j]
+                        if not (isinstance(nxt, SegmentPiece) and nxt.job is piece.job):
+                            break
+                        j += 1
+                    out.extend(piece.job.run(piece.si, piece.si + j - i))
+                else:
+                    out.extend(piece())
+                i = j
+            return out
+
+        return run
+
+    return [task(pieces[i : i + per], i) for i in range(0, len(pieces), per)]

@@ -1,0 +1,253 @@
+"""Health that tells the truth: grpc.health.v1 answered from the event loop
+(so a stuck loop cannot look healthy), flipped to NOT_SERVING by a fatal
+failure and kept there until restart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvsvc.errors import FatalServerError, KVServiceError, ServiceNotServing, Unparsed
+
+if TYPE_CHECKING:
+    from kvsvc.server.data.transfer import TransferEngine
+
+SERVICE_NAME = "kvsvc.v1.KVCacheService"
+NAMES = ("", SERVICE_NAME)
+log = logging.getLogger(__name__)
+Status: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus.ValueType
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 on our own state (grpcio's aio servicer offers no way to flip a
+    status synchronously, and we must not reach into its private fields).
+
+    Every method runs on the event loop, and ``set`` is synchronous: once it
+    returns, no Check can answer the old status. Watch streams wake on a change.
+    """
+
+    def __init__(self) -> None:
+        self._status: dict[str, Status] = {}
+        #: set, then replaced, on every change: each watcher waits on the one it saw
+        self._changed = asyncio.Event()
+        self._shutting_down = False
+        #: Watch streams open now (a stop waits for them to end on their own)
+        self.watching = 0
+
+    def set(self, service: str, status: Status) -> None:
+        """Set one service's status; ignored after graceful shutdown began."""
+        if self._shutting_down or self._status.get(service) == status:
+            return
+        self._status[service] = status
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def enter_graceful_shutdown(self) -> None:
+        """NOT_SERVING for every service, for good; Watch streams send it, then end
+        (left open, the server's stop would cancel them, and grpc logs each
+        cancelled handler as an ERROR with a traceback)."""
+        for service in list(self._status):
+            self.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._shutting_down = True
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        if type(request) is Unparsed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:200]!r}"
+            )
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        if type(request) is Unparsed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in self._status.items()
+            }
+        )
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """The current status, then each change (SERVICE_UNKNOWN while unknown). The
+        stream ends when the client cancels, or with OK once the server is shutting
+        down and the stream has sent its final status."""
+        if type(request) is Unparsed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        self.watching += 1
+        try:
+            async for response in self._watch(request):
+                yield response
+        finally:
+            self.watching -= 1
+
+    async def _watch(
+        self, request: health_pb2.HealthCheckRequest
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last: Status | None = None
+        while True:
+            changed = self._changed  # taken before reading: no change can slip between
+            status = self._status.get(
+                request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            )
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+                continue  # the status may have changed while that was sent
+            if self._shutting_down:
+                return
+            await changed.wait()
+
+
+class Health:
+    def __init__(self) -> None:
+        self.servicer = HealthServicer()
+        self.failure_reason = ""
+        self.failure_time = 0.0
+        self.shutting_down = False
+        self.fatal_event = asyncio.Event()
+
+    async def start(self) -> None:
+        for name in NAMES:
+            self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def serving(self) -> bool:
+        return not self.failure_reason and not self.shutting_down
+
+    def fatal_now(self, reason: str, detail: str) -> None:
+        """Stop serving for good (until restart); the first failure is the one reported.
+
+        Called on the loop. Check answers NOT_SERVING from this moment, and Watch
+        streams are woken to send it.
+        """
+        if self.failure_reason:
+            return
+        self.failure_reason = reason
+        self.failure_time = time.time()
+        log.error("fatal failure %s: %s; health is NOT_SERVING until restart", reason, detail)
+        for name in NAMES:
+            self.servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.fatal_event.set()
+
+    async def shutdown(self) -> None:
+        self.shutting_down = True
+        self.servicer.enter_graceful_shutdown()
+
+    def check_serving(self) -> None:
+        """Transfer RPCs refuse work on an instance that is not serving."""
+        if self.failure_reason:
+            raise ServiceNotServing(
+                f"this instance stopped serving after a fatal failure ({self.failure_reason}); "
+                "restart it or use another",
+                metadata={"failureReason": self.failure_reason},
+            )
+        if self.shutting_down:
+            raise ServiceNotServing(
+                "this instance is shutting down", metadata={"failureReason": "SHUTTING_DOWN"}
+            )
+
+
+class Watchdog:
+    """A thread (not the event loop, which it watches) that declares the server
+    stalled when a copy runs past ``stall_timeout``, a copy worker is dead, or the
+    loop misses its heartbeat. A polling deadline on the client cannot see a
+    worker that is stuck rather than failed; this can."""
+
+    PERIOD_S = 0.02
+    #: How long ``stop`` waits for the thread; a check takes microseconds.
+    STOP_JOIN_S = 5.0
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        engine: TransferEngine,
+        stall_timeout: float,
+        on_fatal: Callable[[KVServiceError], None],
+    ) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.stall_timeout = stall_timeout
+        self.on_fatal = on_fatal
+        self.beat = time.monotonic()
+        self._stop = threading.Event()
+        # Held for a whole check-and-report, so once ``stop`` has taken it no verdict
+        # can follow (a shutdown that stops the workers next must not read as a death).
+        self._lock = threading.Lock()
+        self._workers = engine.workers_alive()
+        self._thread = threading.Thread(target=self._run, name="kvsvc-watchdog", daemon=True)
+        self._beat_task: asyncio.Task[None] | None = None
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.beat = time.monotonic()
+            await asyncio.sleep(self.PERIOD_S)
+
+    def start(self) -> None:
+        self._beat_task = self.loop.create_task(self._heartbeat())
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching, for good, before what it watches is torn down: after this
+        returns no verdict is reported, and the thread has ended (bounded wait)."""
+        with self._lock:
+            self._stop.set()
+        if self._beat_task is not None:
+            self._beat_task.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.STOP_JOIN_S)
+            if self._thread.is_alive():  # pragma: no cover - it only waits on the event
+                log.warning("watchdog thread still running %.0f s after stop", self.STOP_JOIN_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                exc = self.check()
+                if exc is None:
+                    continue
+                log.critical("watchdog: %s", exc.message)
+                try:
+                    self.on_fatal(exc)
+                except RuntimeError as err:  # the loop closed under us: nobody to tell
+                    log.warning("watchdog verdict not delivered: %s", err)
+                return
+
+    def check(self) -> KVServiceError | None:
+        now = time.monotonic()
+        stalled = self.engine.stalled(self.stall_timeout)
+        if stalled:
+            thread, tid, seconds = stalled[0]
+            return FatalServerError(
+                f"copy {tid} on {thread} has run {seconds:.1f} s, "
+                f"past the {self.stall_timeout:g} s stall timeout",
+                reason="TRANSFER_STALLED",
+                metadata={"transferId": tid, "thread": thread, "stallTimeoutS": self.stall_timeout},
+            )
+        if self.engine.workers_alive() < self._workers:
+            return FatalServerError("a transfer worker thread died", reason="TRANSFER_WORKER_DIED")
+        if now - self.beat > self.stall_timeout:
+            return FatalServerError(
+                f"the event loop missed its heartbeat for {now - self.beat:.1f} s",
+                reason="EVENT_LOOP_STALLED",
+                metadata={"stalledS": f"{now - self.beat:.1f}"},
+            )
+        return None
