@@ -12,6 +12,9 @@ BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
 .PHONY: serve test check unit install native proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm clean
 
+# Bare `make`: the venv and the native copy loop.
+.DEFAULT_GOAL := install
+
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || { echo "make: creating $(VENV)"; python3 -m venv $(VENV); }
@@ -42,7 +45,7 @@ serve: install
 
 # The contributor's loop (< 60 s on 2 cores): lint, types, the import rules and
 # the unit layer (tests/unit: no server, no sockets).
-check: lint typecheck unit
+check: install lint typecheck unit
 	@echo "make check: passed"
 
 unit: install
