@@ -23,7 +23,11 @@ from driver import KvsvcProcess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_helpers import free_port
 
-import kvsvc.integrations.vllm.connector as kv
+import kvsvc.integrations.vllm.common as common
+import kvsvc.integrations.vllm.scheduler as scheduler
+import kvsvc.integrations.vllm.worker as worker
+from kvsvc.integrations.vllm.common import KvsvcConnectorMetadata, Op
+from kvsvc.integrations.vllm.connector import KvsvcConnector
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 16, 2, 32, 2, 64
 
@@ -58,8 +62,8 @@ def vllm_like_kv_caches() -> dict[str, torch.Tensor]:
 
 
 def make_worker(monkeypatch: pytest.MonkeyPatch, cfg: Any, rank: int) -> Any:
-    monkeypatch.setattr(kv, "_tp_rank", lambda: rank)
-    conn = kv.KvsvcConnector(cfg, KVConnectorRole.WORKER, KV_CACHE_CONFIG)
+    monkeypatch.setattr(worker, "tp_rank", lambda: rank)
+    conn = KvsvcConnector(cfg, KVConnectorRole.WORKER, KV_CACHE_CONFIG)
     caches = vllm_like_kv_caches()
     conn.register_kv_caches(caches)
     deadline = time.monotonic() + 30
@@ -78,7 +82,7 @@ def request(req_id: str, block_hashes: list[bytes]) -> Any:
     return SimpleNamespace(request_id=req_id, block_hashes=block_hashes, num_tokens=tokens)
 
 
-def run_step(conn: Any, meta: kv.KvsvcConnectorMetadata, load: bool) -> None:
+def run_step(conn: Any, meta: KvsvcConnectorMetadata, load: bool) -> None:
     conn.bind_connector_metadata(meta)
     if load:
         conn.start_load_kv(None)
@@ -107,13 +111,13 @@ def server(tmp_path: Path):
 def test_a_chunk_hits_only_when_every_rank_stored_it(server, monkeypatch) -> None:
     port = int(server.address.rsplit(":", 1)[1])
     cfg = vllm_config(port)
-    sched = kv.KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
+    sched = KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
     (w0, caches0), (w1, caches1) = (make_worker(monkeypatch, cfg, r) for r in (0, 1))
     hs = hashes(4)
     req = request("r1", hs)
     for layer in (*caches0, *caches1):  # each rank's shard of blocks 0-3: its own bytes
         layer[:4].normal_()
-    store = kv.KvsvcConnectorMetadata(stores=[kv.Op("r1", [(h, [i]) for i, h in enumerate(hs)])])
+    store = KvsvcConnectorMetadata(stores=[Op("r1", [(h, [i]) for i, h in enumerate(hs)])])
 
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     run_step(w0, store, load=False)
@@ -134,12 +138,12 @@ def test_a_chunk_hits_only_when_every_rank_stored_it(server, monkeypatch) -> Non
             preempted_req_ids=None,
         )
     )
-    assert meta.loads == [kv.Op("r1", [(h, [20 + i]) for i, h in enumerate(hs)])]
+    assert meta.loads == [Op("r1", [(h, [20 + i]) for i, h in enumerate(hs)])]
     # Asked again (its load failed, vLLM recomputes): no second load of the request.
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
     # Each rank loads its own shard (per-rank keys), into other blocks.
-    load = kv.KvsvcConnectorMetadata(loads=[kv.Op("r2", [(h, [10 + i]) for i, h in enumerate(hs)])])
+    load = KvsvcConnectorMetadata(loads=[Op("r2", [(h, [10 + i]) for i, h in enumerate(hs)])])
     for conn, caches in ((w0, caches0), (w1, caches1)):
         run_step(conn, load, load=True)
         r = settle(conn, "r2", recv=True)
@@ -156,16 +160,16 @@ def test_other_deployments_never_share(server, monkeypatch) -> None:
     cfg = vllm_config(port, tp=1)
     w, _ = make_worker(monkeypatch, cfg, 0)
     hs = hashes(2, b"x")
-    run_step(w, kv.KvsvcConnectorMetadata(stores=[kv.Op("s", [(hs[0], [0]), (hs[1], [1])])]), False)
+    run_step(w, KvsvcConnectorMetadata(stores=[Op("s", [(hs[0], [0]), (hs[1], [1])])]), False)
     settle(w, "s", recv=False)
-    same = kv.KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
+    same = KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
     assert same.get_num_new_matched_tokens(request("a", hs), 0) == (2 * BLOCK, True)
     for other in (
         vllm_config(port, tp=1, model="another"),
         vllm_config(port, tp=2),
         vllm_config(port, tp=1, blocks_per_chunk=2),
     ):
-        sched = kv.KvsvcConnector(other, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
+        sched = KvsvcConnector(other, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
         assert sched.get_num_new_matched_tokens(request("b", hs), 0) == (0, False)
         sched.shutdown()
     same.shutdown()
@@ -175,18 +179,18 @@ def test_other_deployments_never_share(server, monkeypatch) -> None:
 def test_hooks_never_raise_into_vllm(monkeypatch) -> None:
     """kvsvc unreachable and a malformed request: every hook answers, none raises."""
     cfg = vllm_config(free_port(), tp=1)
-    sched = kv.KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
+    sched = KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
     t0 = time.monotonic()
     assert sched.get_num_new_matched_tokens(request("a", hashes(3)), 0) == (0, False)
     assert time.monotonic() - t0 < 5
     assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="bad"), 0) == (0, False)
     assert sched.counters["hook_errors"] == 1
     assert sched.request_finished(SimpleNamespace(request_id="bad"), []) == (False, None)
-    monkeypatch.setattr(kv, "_tp_rank", lambda: 0)
-    w = kv.KvsvcConnector(cfg, KVConnectorRole.WORKER, KV_CACHE_CONFIG)
+    monkeypatch.setattr(worker, "tp_rank", lambda: 0)
+    w = KvsvcConnector(cfg, KVConnectorRole.WORKER, KV_CACHE_CONFIG)
     w.register_kv_caches(vllm_like_kv_caches())
     # Not mapped (kvsvc down): a load is answered at once, as failed blocks.
-    run_step(w, kv.KvsvcConnectorMetadata(loads=[kv.Op("l", [(b"h", [3])])]), load=True)
+    run_step(w, KvsvcConnectorMetadata(loads=[Op("l", [(b"h", [3])])]), load=True)
     r = w.get_transfer_results(set())
     assert "l" in r.finished_recving
     assert w.get_block_ids_with_load_errors() == {3}
@@ -204,17 +208,17 @@ def test_warns_when_vllm_would_reserve_no_core_for_its_engine_loop(monkeypatch) 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    kv.log.addHandler(handler)
+    common.log.addHandler(handler)
     try:
         monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-        kv._warn_no_reserved_core(vllm_config(1, tp=1))
+        scheduler.warn_no_reserved_core(vllm_config(1, tp=1))
         small = len(os.sched_getaffinity(0)) <= 2
         told = [r for r in records if "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in r.getMessage()]
         assert len(told) == (1 if small else 0)
         records.clear()
         monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-        kv._warn_no_reserved_core(vllm_config(1, tp=1))
+        scheduler.warn_no_reserved_core(vllm_config(1, tp=1))
         assert records == []
     finally:
-        kv.log.removeHandler(handler)
+        common.log.removeHandler(handler)

@@ -1,0 +1,133 @@
+"""What both halves of the vLLM connector share: the vLLM version gate (the one
+module that imports vLLM's connector API, so another vLLM fails with one line), the
+deployment namespace and chunk keys, the metadata the scheduler sends the workers
+each step, the stats vLLM sums over workers, and the connector's logger."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import vllm
+
+TESTED_VERSIONS = ("0.32",)
+VLLM_VERSION = ".".join(str(vllm.__version__).split(".")[:2])
+if VLLM_VERSION not in TESTED_VERSIONS:
+    raise ImportError(
+        f"kvsvc.integrations.vllm supports vLLM {', '.join(v + '.x' for v in TESTED_VERSIONS)};"
+        f" this is vLLM {vllm.__version__}, whose connector API it was not tested with"
+    )
+
+# After the version check, so an old vLLM fails with the line above.
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
+
+from kvsvc.integrations.vllm.config import VllmConnectorConfig  # noqa: E402
+
+log = logging.getLogger("kvsvc.vllm")
+
+__all__ = [
+    "TESTED_VERSIONS",
+    "VLLM_VERSION",
+    "KVConnectorBase_V1",
+    "KVConnectorRole",
+    "KVConnectorTransferResults",
+    "KvsvcConnectorMetadata",
+    "KvsvcConnectorStats",
+    "Op",
+    "chunk_key",
+    "deployment_namespace",
+    "hash_bytes",
+    "log",
+    "setup_logging",
+]
+
+
+def setup_logging(level: str) -> None:
+    """vLLM configures only its own loggers: without a handler ours would print
+    nothing below WARNING."""
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvsvc] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
+# --- what the scheduler sends the workers each step ---
+@dataclass
+class Op:
+    """A load or store of one request: its chunks as (hash of the chunk's last
+    vLLM block, the chunk's block ids). vLLM's block hashes chain, so the last
+    block's hash names the whole prefix."""
+
+    req_id: str
+    chunks: list[tuple[bytes, list[int]]]
+
+
+@dataclass
+class KvsvcConnectorMetadata(KVConnectorMetadata):
+    loads: list[Op] = field(default_factory=list)
+    stores: list[Op] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KvsvcConnectorStats(KVConnectorStats):
+    """Counters since the last interval, summed over workers (vLLM logs them)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvsvcConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def deployment_namespace(vllm_config: Any, kv_cache_config: Any, cfg: VllmConnectorConfig) -> str:
+    """The namespace two engines share only when their KV is interchangeable:
+    model, dtype, block size, KV spec, parallel sizes, vLLM minor version. The
+    TP rank goes into each key, the worker's tensor layout into the mapping
+    (the server refuses to load a chunk stored under another layout)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    specs = sorted({repr(g.kv_cache_spec) for g in getattr(kv_cache_config, "kv_cache_groups", [])})
+    fingerprint = {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "dtype": str(mc.dtype),
+        "cache_dtype": str(cc.cache_dtype),
+        "block_size": int(cc.block_size),
+        "kv_specs": specs,
+        "tp": int(pc.tensor_parallel_size),
+        "pp": int(pc.pipeline_parallel_size),
+        "blocks_per_chunk": cfg.blocks_per_chunk,
+        "vllm": VLLM_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    return f"{cfg.namespace}/{digest[:32]}"
+
+
+def chunk_key(tp_rank: int, block_hash: bytes) -> bytes:
+    """One key per chunk and TP rank: a hit needs every rank's shard."""
+    return b"tp%d:" % tp_rank + block_hash
+
+
+def hash_bytes(h: Any) -> bytes:
+    """A vLLM block hash as key bytes (bytes as they are; any other kind hashed)."""
+    return h if isinstance(h, bytes) else hashlib.sha256(repr(h).encode()).digest()
