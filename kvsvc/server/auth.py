@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from kvsvc.errors import PermissionDenied, _BoundedLog
+from kvsvc.errors import BoundedLog, PermissionDenied
 
 log = logging.getLogger("kvsvc.server.auth")
 
@@ -232,7 +232,7 @@ class Authenticator:
         #: mTLS verified the peer's certificate: with no tenant file, that is enough
         self.client_certs = client_certs
         self.tables = load_tables(token_file) if token_file else Tables({}, {}, {})
-        self.failures = _BoundedLog(log, AUTH_LOG_INTERVAL_S)
+        self.failures = BoundedLog(log, AUTH_LOG_INTERVAL_S)
         self.on_failure: Callable[[str], None] = lambda reason: None
 
     def reload(self) -> bool:

@@ -1,4 +1,4 @@
-"""The reason catalogue (kvsvc/errors.py REASONS) is the one declaration of every
+"""The reason catalogue (kvsvc/errors/reasons.py REASONS) is the one declaration of every
 reason: the sources, the README table, proto/kvsvc/v1/reasons.json and the classes
 are all checked against it here. The Node and Go clients check their tables
 against the JSON in their own errors tests."""
@@ -22,8 +22,10 @@ from kvsvc.errors import (
     CapacityExhausted,
     KVServiceError,
     ServiceUnavailable,
+    classes,
     from_grpc_error,
     from_remote_error,
+    reasons,
     to_remote_error,
 )
 
@@ -102,13 +104,14 @@ def scan(paths: list[Path]) -> list[Use]:
 
 def problems(uses: list[Use]) -> list[str]:
     """What a use gets wrong against the catalogue."""
-    known_classes = {"KVServiceError", *errors._BY_NAME}
+    known_classes = {"KVServiceError", *classes._BY_NAME}
     found = []
     for u in uses:
         declared = REASONS.get(u.reason)
         if declared is None:
             found.append(
-                f"{u.where}: reason {u.reason!r} is not declared in kvsvc/errors.py's catalogue"
+                f"{u.where}: reason {u.reason!r} is not declared in "
+                "kvsvc/errors/reasons.py's catalogue"
             )
             continue
         if (
@@ -135,6 +138,8 @@ def sources() -> list[Path]:
 def test_every_reason_in_kvsvc_is_declared_with_its_class() -> None:
     uses = scan(sources())
     assert len(uses) > 50, "the scan finds the reasons kvsvc raises"
+    scanned = {u.where.partition(":")[0] for u in uses}
+    assert "kvsvc/errors/classes.py" in scanned, "the classes' own reasons are scanned too"
     assert problems(uses) == []
 
 
@@ -144,7 +149,7 @@ def test_every_declared_reason_is_used() -> None:
     used = {u.reason for u in scan(sources())}
     transport = {r.name for r in TRANSPORT_REASONS.values()}
     stale = set(REASONS) - used - transport
-    assert stale == set(), "declared in kvsvc/errors.py's catalogue but raised nowhere"
+    assert stale == set(), "declared in kvsvc/errors/reasons.py's catalogue but raised nowhere"
 
 
 def test_the_scan_catches_what_is_not_declared(tmp_path: Path) -> None:
@@ -171,7 +176,7 @@ def test_the_scan_catches_what_is_not_declared(tmp_path: Path) -> None:
 
 
 def test_the_catalogue_is_well_formed() -> None:
-    names = [r.name for r in errors._CATALOGUE]
+    names = [r.name for r in reasons._CATALOGUE]
     assert len(names) == len(set(names)), "a reason is declared twice"
     for r in REASONS.values():
         assert re.fullmatch(r"[A-Z][A-Z0-9_]*", r.name) and len(r.name) <= 63, r.name
@@ -179,7 +184,7 @@ def test_the_catalogue_is_well_formed() -> None:
         if r not in TRANSPORT_REASONS.values():
             assert r.code == r.cls.code, r.name
     # Every class's own reason is declared with that class, its code and retryable.
-    for cls in [KVServiceError, *errors._BY_NAME.values()]:
+    for cls in [KVServiceError, *classes._BY_NAME.values()]:
         declared = REASONS[cls.reason]
         assert (declared.cls, declared.code, declared.retryable) == (
             cls,
@@ -189,11 +194,11 @@ def test_the_catalogue_is_well_formed() -> None:
 
 
 def test_classes_register_themselves() -> None:
-    assert errors._BY_NAME["MappingLost"] is errors.MappingLost
-    assert errors._BY_REASON["CHECKSUM_MISMATCH"] is errors.DataLoss
-    assert errors._BY_CODE[grpc.StatusCode.FAILED_PRECONDITION] is errors.LayoutMismatch
-    assert errors._BY_CODE[grpc.StatusCode.UNKNOWN] is errors.RemoteHandlerError
-    before = (dict(errors._BY_NAME), dict(errors._BY_REASON), dict(errors._BY_CODE))
+    assert classes._BY_NAME["MappingLost"] is errors.MappingLost
+    assert classes._BY_REASON["CHECKSUM_MISMATCH"] is errors.DataLoss
+    assert classes._BY_CODE[grpc.StatusCode.FAILED_PRECONDITION] is errors.LayoutMismatch
+    assert classes._BY_CODE[grpc.StatusCode.UNKNOWN] is errors.RemoteHandlerError
+    before = (dict(classes._BY_NAME), dict(classes._BY_REASON), dict(classes._BY_CODE))
     try:
 
         class ProbeOnlyError(CapacityExhausted):
@@ -207,10 +212,10 @@ def test_classes_register_themselves() -> None:
             type("MappingLost", (KVServiceError,), {})
         with pytest.raises(TypeError, match="reason CHUNK_NOT_FOUND is Miss's"):
             type("AnotherMiss", (KVServiceError,), {"reason": "CHUNK_NOT_FOUND"})
-        assert "AnotherMiss" not in errors._BY_NAME
+        assert "AnotherMiss" not in classes._BY_NAME
     finally:
         for table, saved in zip(
-            (errors._BY_NAME, errors._BY_REASON, errors._BY_CODE), before, strict=True
+            (classes._BY_NAME, classes._BY_REASON, classes._BY_CODE), before, strict=True
         ):
             table.clear()
             table.update(saved)

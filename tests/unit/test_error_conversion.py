@@ -21,6 +21,7 @@ from kvsvc.errors import (
     RemoteHandlerError,
     ServiceUnavailable,
     TransferUnprovable,
+    classes,
     from_grpc_error,
     from_remote_error,
     to_remote_error,
@@ -29,13 +30,14 @@ from kvsvc.v1 import error_pb2
 
 
 def error_classes() -> list[type[KVServiceError]]:
-    """Every error class kvsvc.errors declares, found by walking the hierarchy."""
+    """Every error class kvsvc.errors declares (in kvsvc.errors.classes), found by
+    walking the hierarchy."""
     out: list[type[KVServiceError]] = []
     todo = [KVServiceError]
     while todo:
         cls = todo.pop()
         for sub in cls.__subclasses__():
-            if sub.__module__ == errors.__name__ and sub not in out:
+            if sub.__module__ == classes.__name__ and sub not in out:
                 out.append(sub)
                 todo.append(sub)
     return sorted(out, key=lambda c: c.__name__)

@@ -17,6 +17,7 @@ PACKAGE = Path(kvsvc.__file__).resolve().parent
 #: Top-level modules both sides share; they import neither side.
 SHARED = {"kvsvc", "kvsvc.errors", "kvsvc.framing", "kvsvc.ids", "kvsvc.layout", "kvsvc.limits"}
 SHARED |= {"kvsvc.logs"}
+SHARED |= {f"kvsvc.errors.{m}" for m in ("classes", "envelope", "parsing", "reasons")}
 
 
 def module_name(path: Path) -> str:

@@ -60,7 +60,7 @@ from redis.cluster import RedisCluster
 from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 from redis.retry import Retry
 
-from kvsvc.errors import CapacityExhausted, _BoundedLog
+from kvsvc.errors import BoundedLog, CapacityExhausted
 from kvsvc.server import failpoints
 from kvsvc.server.config import (
     REMOTE_BREAKER_FAILURES,
@@ -87,7 +87,7 @@ else:  # redis-py depends on async-timeout below 3.11.3
     from async_timeout import timeout as _deadline
 
 log = logging.getLogger("kvsvc.server.tiers.redis")
-_warn = _BoundedLog(log, 10.0)
+_warn = BoundedLog(log, 10.0)
 
 MAGIC = b"KVR"
 #: 2: segment digests and the key hash are CRC-32C (kvsvc.server.data.copies, STORE_FORMAT 2)
