@@ -1,0 +1,95 @@
+"""Requests that do not parse: the server's request deserializer never raises, so a
+peer sending garbage gets the method's own response with a MALFORMED_REQUEST
+envelope, and the log a bounded number of lines (:class:`BoundedLog`, which other
+modules use for the same reason)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from google.protobuf.message import Message
+
+from kvsvc.errors.classes import NO_TRANSFER, NOT_STARTED, MalformedRequest
+from kvsvc.errors.envelope import to_remote_error
+from kvsvc.v1 import error_pb2
+
+
+class _NoHeader:
+    """The header of a request that could not be read: the wrapper assigns an id."""
+
+    request_id = ""
+    envelope_version = 0
+
+
+class Unparsed:
+    """What the server's request deserializer hands the handler for bytes that do not
+    parse. grpc would answer a deserializer exception with UNKNOWN and an ERROR
+    traceback per request (a log flood); this way the handler answers the method's
+    own response with a MALFORMED_REQUEST envelope (INVALID_ARGUMENT)."""
+
+    __slots__ = ("error",)
+    header = _NoHeader()
+
+    def __init__(self, error: MalformedRequest) -> None:
+        self.error = error
+
+    def envelope(self, request_id: str, transfer: bool) -> error_pb2.RemoteError:
+        """The reply's error; a transfer that did not parse never started."""
+        return to_remote_error(self.error, request_id, NOT_STARTED if transfer else NO_TRANSFER)
+
+
+class BoundedLog:
+    """At most one WARNING per ``interval_s``, counting what it held back: a peer
+    sending garbage must not be able to fill the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval_s:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        if held:
+            msg += f" ({held} more since the last such message)"
+        self.logger.warning(msg, *args)
+
+
+MALFORMED_LOG_INTERVAL_S = 10.0
+_malformed_log = BoundedLog(logging.getLogger("kvsvc.server.servicer"), MALFORMED_LOG_INTERVAL_S)
+
+
+def request_parser(message_cls: type[Message]) -> Callable[[bytes], Message | Unparsed]:
+    """A request deserializer for ``message_cls`` that never raises: bytes that do not
+    parse become :class:`Unparsed`, logged at a bounded rate."""
+    name = message_cls.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Message | Unparsed:
+        try:
+            return message_cls.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or worse: still a reply
+            _malformed_log.warning(
+                "a request of %d bytes does not parse as %s: %s", len(raw), name, exc
+            )
+            return Unparsed(
+                MalformedRequest(
+                    f"the request bytes do not parse as {name}",
+                    metadata={
+                        "messageType": name,
+                        "sizeBytes": len(raw),
+                        "error": type(exc).__name__,
+                    },
+                )
+            )
+
+    return parse
