@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import conftest
 import grpc
 import pytest
+import support
 import torch
-from conftest import NOT_SERVING, SERVING, health_status, wait_inflight
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import NOT_SERVING, SERVING, health_status, wait_inflight
 
 from kvsvc.client import DEFAULT, AsyncKVCacheClient, KVCacheClient, MappingHandle
 from kvsvc.client.kvcache import SharedKVCache
@@ -69,7 +69,7 @@ FP = "KVSVC_FAILPOINTS"
 # --- helpers ---
 def make_cache(shm_dir: Path, name: str, dtype: torch.dtype = torch.bfloat16) -> SharedKVCache:
     """The shared small cache, filled with random data seeded by its name."""
-    return conftest.make_cache(shm_dir, name, dtype, seed=sum(name.encode()))
+    return support.make_cache(shm_dir, name, dtype, seed=sum(name.encode()))
 
 
 def block_bytes(cache: SharedKVCache, block_id: int) -> list[bytes]:

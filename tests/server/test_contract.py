@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
-from conftest import NOT_SERVING, SERVING, health_status, wait_health, wait_inflight
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import NOT_SERVING, SERVING, health_status, wait_health, wait_inflight
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import MAX_MESSAGE_BYTES, from_remote_error, to_remote_error, truncate_utf8

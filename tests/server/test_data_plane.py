@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from support import (
     LAYOUTS,
     SERVING,
     fill_random,

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import NOT_SERVING, SERVING, ServerThread, health_status, make_cache, truncating
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import NOT_SERVING, SERVING, ServerThread, health_status, make_cache, truncating
 
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import rank_context

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import LAYOUTS, SERVING, ServerThread, fill_random, health_status, make_cache
+from support import LAYOUTS, SERVING, ServerThread, fill_random, health_status, make_cache
 
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient, fdpass
 from kvsvc.client.kvcache import rank_context

@@ -6,8 +6,8 @@ import socket
 import urllib.request
 
 import pytest
-from conftest import make_cache
 from prometheus_client.parser import text_string_to_metric_families
+from support import make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import InvalidRequest, Miss

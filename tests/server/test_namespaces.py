@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SERVING, ServerThread, health_status
 from prometheus_client.parser import text_string_to_metric_families
+from support import SERVING, ServerThread, health_status
 
 from kvsvc.limits import FD_SOCKET_NAME, GRPC_SOCKET_NAME
 from kvsvc.server.config import ServerConfig

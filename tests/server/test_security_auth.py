@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import make_ca, make_cert
-from conftest import SERVING, ServerThread, health_status, make_cache
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import SERVING, ServerThread, health_status, make_cache
 
 from kvsvc.client import AsyncKVCacheClient, ClientTLS, KVCacheClient
 from kvsvc.errors import MappingLost, PermissionDenied, Unauthenticated

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import make_cache
+from support import make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import CapacityExhausted

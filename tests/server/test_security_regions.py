@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_cache
+from support import REPO, make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import InvalidRequest, PermissionDenied

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ServerThread, make_cache
+from support import ServerThread, make_cache
 
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.client.session import AsyncSession, SyncSession

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import NOT_SERVING, health_status
+from support import NOT_SERVING, health_status
 
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache, rank_context

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_cache
+from support import make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import CapacityExhausted, InvalidRequest
