@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import (
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import (
     NOT_SERVING,
     SERVING,
     fill_random,
@@ -28,7 +29,6 @@ from conftest import (
     wait_health,
     wait_inflight,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache, rank_context
