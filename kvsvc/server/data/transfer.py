@@ -1,74 +1,33 @@
-"""The transfer engine: runs copies on worker threads, hands completions back
-to the event loop, and tracks every copy that started until it ends, so that
-Fence can prove it finished even after the client went away.
-
-A transfer id is the client's request id. Fence bars ids it has not seen, so a
-request that arrives after its fence can never write into reused blocks.
+"""The transfer engine: runs copies on the copy threads (or, for small loop-safe
+ones, on the event loop's thread), hands completions back to the event loop, and
+tracks every copy that started until it ends, so that Fence can prove it finished
+even after the client went away. What it knows of each copy and the rules every
+copy follows are in :mod:`~kvsvc.server.data.ledger`; a copy whose parts arrive
+while it runs is a :class:`~kvsvc.server.data.stream.Stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import functools
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from kvsvc.errors import (
-    FINISHED,
-    NOT_STARTED,
-    UNKNOWN,
-    Cancelled,
-    DeadlineExceeded,
-    FatalServerError,
-    InvalidRequest,
-    KVServiceError,
-    ServiceNotServing,
-)
+from kvsvc.errors import FINISHED, NOT_STARTED, UNKNOWN, FatalServerError, KVServiceError
 from kvsvc.server import failpoints
+from kvsvc.server.data.ledger import Transfer, TransferLedger
+from kvsvc.server.data.stream import Stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_REMEMBERED = 100_000  # completed and barred ids kept for Fence's answers
 #: The most of a larger loop-safe copy the event loop's thread copies itself beside
 #: the copy threads (one task's share): ~2 ms of the native loop, so other calls
 #: wait no longer than one such call's own work; copies with bigger shares leave
 #: the loop free.
 LOOP_SHARE_MAX_BYTES = 16 << 20
-
-
-@dataclass
-class Transfer:
-    transfer_id: str
-    mapping_id: str
-    nbytes: int
-    done: asyncio.Future[None]  # the copy has ended (what Fence waits for)
-    reply: asyncio.Future[None]  # the handler may answer (copy ended, or given up on)
-    started_at: float = 0.0  # monotonic time the copy began; 0 = queued
-    thread: str = ""
-    abandoned: bool = False  # the client's call ended while the copy ran
-    failure: KVServiceError | None = None  # why the handler stopped waiting early
-
-
-@dataclass
-class _Rate:
-    """Observed copy throughput, to refuse copies that cannot finish in time."""
-
-    bytes_per_s: float = 1e9
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes < 1 << 20 or seconds <= 0:
-            return
-        with self.lock:
-            self.bytes_per_s = 0.8 * self.bytes_per_s + 0.2 * (nbytes / seconds)
 
 
 def reply_budget(deadline: float) -> float:
@@ -78,120 +37,14 @@ def reply_budget(deadline: float) -> float:
     return max(0.0, remaining - min(0.05, 0.1 * remaining))
 
 
-_Item = tuple[concurrent.futures.Future[Any], Callable[[], Any], str]
+class TransferEngine(TransferLedger):
+    """Runs copies: ``run`` one whose pieces are all known, ``stream`` one whose parts
+    come while it runs; ``fence`` waits for them; ``fail`` stops them all."""
 
-
-def _name_os_thread(name: str) -> None:
-    """Give the calling thread its Python name in the OS too (15 bytes: what
-    ``top -H``, ``ps -L`` and /proc/PID/task/TID/comm show), so a copy thread's
-    CPU can be told apart from outside the process; a no-op where prctl is missing."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-class WorkerDied(BaseException):
-    """Set on a copy's future when its worker thread died under it."""
-
-
-class _Workers:
-    """Copy threads. Unlike a ThreadPoolExecutor, a thread here can really die (an
-    exception that is not an Exception escapes the copy); ``on_death`` is told."""
-
-    def __init__(self, n: int, on_death: Callable[[str, BaseException], None]) -> None:
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        #: thread name -> (transfer id, monotonic start) of the piece it is running
-        self.running: dict[str, tuple[str, float]] = {}
-        self._on_death = on_death
-        self.threads = [
-            threading.Thread(target=self._run, name=f"kvsvc-copy-{i}", daemon=True)
-            for i in range(n)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def submit(self, fn: Callable[[], T], transfer_id: str) -> concurrent.futures.Future[T]:
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._queue.put((fut, fn, transfer_id))
-        return fut
-
-    def _run(self) -> None:
-        me = threading.current_thread().name
-        _name_os_thread(me)
-        while (item := self._queue.get()) is not None:
-            fut, fn, tid = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            self.running[me] = (tid, time.monotonic())
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - delivered to the caller via the future
-                fut.set_exception(exc)
-            except BaseException as exc:  # noqa: BLE001 - a dying thread reports, then dies
-                fut.set_exception(WorkerDied(f"{threading.current_thread().name}: {exc!r}"))
-                self._on_death(me, exc)
-                return  # the thread dies, as a real crash would (still listed as running)
-            self.running.pop(me, None)
-
-    def alive(self) -> int:
-        return sum(t.is_alive() for t in self.threads)
-
-    def drain(self) -> list[concurrent.futures.Future[Any]]:
-        """Take every queued (not started) copy off the queue."""
-        out: list[concurrent.futures.Future[Any]] = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return out
-            if item is not None:
-                out.append(item[0])
-
-    def shutdown(self) -> None:
-        for _ in self.threads:
-            self._queue.put(None)
-
-
-class TransferEngine:
     def __init__(self, threads: int, inline_max_bytes: int = 0) -> None:
         #: loop-safe copies up to this size run on the event loop's thread (``run``)
         self.inline_max_bytes = inline_max_bytes
-        self.inflight: dict[str, Transfer] = {}
-        self._completed: OrderedDict[str, None] = OrderedDict()
-        self._barred: OrderedDict[str, None] = OrderedDict()
-        self.rate = _Rate()
-        self.failed: KVServiceError | None = None
-        self._fail_lock = threading.Lock()
-        #: Called (from any thread) with a fatal error: the server stops serving.
-        self.on_fatal: Callable[[KVServiceError], None] = lambda exc: None
-        self._workers = _Workers(threads, self._worker_died)
-
-    def _remember(self, table: OrderedDict[str, None], tid: str) -> None:
-        table[tid] = None
-        if len(table) > _REMEMBERED:
-            table.popitem(last=False)
-
-    def check_deadline(self, deadline: float | None, nbytes: int, ahead: int = 0) -> None:
-        """Refuse (NOT_STARTED) a copy that cannot finish before ``deadline``, after
-        the ``ahead`` bytes queued before it (a stream's earlier parts) are copied."""
-        if deadline is None:
-            return
-        remaining = deadline - time.monotonic()
-        need = (nbytes + ahead) / self.rate.bytes_per_s
-        if remaining <= need:
-            after = f" after the {ahead} bytes queued ahead of it" if ahead else ""
-            metadata: dict[str, object] = {"remainingMs": f"{remaining * 1e3:.1f}", "bytes": nbytes}
-            if ahead:
-                metadata["queuedBytes"] = ahead
-            raise DeadlineExceeded(
-                f"{remaining * 1e3:.1f} ms left, the copy of {nbytes} bytes{after} needs "
-                f"about {need * 1e3:.1f} ms: not started",
-                reason="DEADLINE_TOO_SHORT",
-                metadata=metadata,
-                transfer_state=NOT_STARTED,
-            )
+        super().__init__(threads)
 
     def loop_copies(self) -> bool:
         """Whether the event loop's thread may run copy pieces itself. Failpoints
@@ -231,7 +84,7 @@ class TransferEngine:
         hands the end back through the loop. ``inline_max_bytes`` 0: neither.
         """
         try:
-            self._admit(transfer_id, deadline, nbytes)
+            self.admit(transfer_id, deadline, nbytes)
         except BaseException as exc:
             finalize(None, exc)
             raise
@@ -262,7 +115,7 @@ class TransferEngine:
                         # Checked here, on the copy thread, before every piece: a
                         # fatal failure decided a moment ago on another thread must
                         # stop a copy queued behind it before it writes anything.
-                        raise self._refusal(FINISHED if transfer.started_at else NOT_STARTED)
+                        raise self.refusal(FINISHED if transfer.started_at else NOT_STARTED)
                     first = not transfer.started_at
                     if first:
                         try:
@@ -280,7 +133,7 @@ class TransferEngine:
                         failpoints.hit("transfer.after_copy")
                     return result
                 except Exception as exc:
-                    error = self._copy_failed(exc, transfer_id)
+                    error = self.copy_failed(exc, transfer_id)
                     if error is exc:
                         raise
                     raise error from exc
@@ -288,9 +141,8 @@ class TransferEngine:
             return work
 
         def finished() -> None:
-            del self.inflight[transfer_id]
-            self._remember(self._completed, transfer_id)
-            results, error = self._collect(futures, transfer)
+            self.retire(transfer_id)
+            results, error = self.collect(futures, transfer)
             try:
                 finalize(results, error)
             finally:
@@ -323,7 +175,7 @@ class TransferEngine:
             own.set_running_or_notify_cancel()
         futures = [own] if own is not None else []
         futures += [
-            self._workers.submit(wrap(i, t), transfer_id)
+            self.workers.submit(wrap(i, t), transfer_id)
             for i, t in enumerate(tasks)
             if own is None or i > 0
         ]
@@ -347,7 +199,7 @@ class TransferEngine:
             raise
         if transfer.failure is not None:
             raise transfer.failure
-        results, error = self._collect(futures, transfer)
+        results, error = self.collect(futures, transfer)
         if error is not None:
             raise error
         self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
@@ -374,7 +226,7 @@ class TransferEngine:
         t0 = time.monotonic()
         try:
             own.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - read by _collect, raised by run
+        except BaseException as exc:  # noqa: BLE001 - read by collect, raised by run
             own.set_exception(exc)
         took = time.monotonic() - t0
         with lock:
@@ -388,26 +240,6 @@ class TransferEngine:
         with lock:
             joining[0] = False
             return pending[0] == 0
-
-    def _copy_failed(self, exc: Exception, transfer_id: str) -> KVServiceError:
-        """What a copy that raised ``exc`` after it started is answered with; a fatal
-        one is marked at once, from the thread that saw it."""
-        if isinstance(exc, KVServiceError):
-            if exc.transfer_state != NOT_STARTED:
-                exc.transfer_state = FINISHED
-            if exc.fatal:  # e.g. DataLoss: nothing queued may start after it
-                self.mark_failed(exc)
-            return exc
-        # The copy failed midway: it has stopped, but the data path is broken, so
-        # this instance must stop serving.
-        fatal = FatalServerError(
-            f"transfer worker failed: {type(exc).__name__}: {exc}",
-            reason="TRANSFER_WORKER_FAILED",
-            metadata={"transferId": transfer_id, "error": type(exc).__name__},
-            transfer_state=FINISHED,
-        )
-        self.mark_failed(fatal)
-        return fatal
 
     def _run_inline(
         self,
@@ -429,7 +261,7 @@ class TransferEngine:
             if failpoints.ENABLED:
                 failpoints.hit("transfer.after_copy")
         except Exception as exc:
-            error = self._copy_failed(exc, transfer_id)
+            error = self.copy_failed(exc, transfer_id)
             try:
                 finalize(None, error)
             finally:
@@ -442,102 +274,12 @@ class TransferEngine:
         self.rate.observe(nbytes, time.monotonic() - started)
         return results
 
-    def _collect(
-        self, futures: list[concurrent.futures.Future[T]], transfer: Transfer
-    ) -> tuple[list[T] | None, BaseException | None]:
-        """Results of every piece, or the error that describes the copy best."""
-        errors: list[BaseException] = []
-        cancelled = 0
-        for f in futures:
-            if f.cancelled():
-                cancelled += 1
-            elif (e := f.exception()) is not None:
-                errors.append(e)
-        died = [e for e in errors if isinstance(e, WorkerDied)]
-        if died:
-            err: BaseException = FatalServerError(
-                f"the transfer worker died during the copy: {died[0]}",
-                reason="TRANSFER_WORKER_DIED",
-                metadata={"transferId": transfer.transfer_id},
-                transfer_state=UNKNOWN,
-            )
-            err.__cause__ = died[0]
-            return None, err
-        if errors:
-            fatal = [e for e in errors if getattr(e, "fatal", False)]
-            return None, (fatal or errors)[0]
-        if cancelled:
-            state = FINISHED if transfer.started_at else NOT_STARTED
-            return None, (
-                ServiceNotServing(
-                    f"copy cancelled after a fatal failure ({self.failed.reason})",
-                    metadata={"failureReason": self.failed.reason},
-                    transfer_state=state,
-                )
-                if self.failed is not None
-                else Cancelled("copy cancelled before it ran", transfer_state=state)
-            )
-        return [f.result() for f in futures], None
-
-    def _refusal(self, state: int) -> ServiceNotServing:
-        assert self.failed is not None
-        return ServiceNotServing(
-            f"transfers are refused after a fatal failure ({self.failed.reason})",
-            metadata={"failureReason": self.failed.reason},
-            transfer_state=state,
-        )
-
-    def state_of(self, transfer_id: str) -> int:
-        """What is known of a copy whose call stopped waiting for it: UNKNOWN while a
-        piece may still write, FINISHED once none runs, NOT_STARTED if none began."""
-        t = self.inflight.get(transfer_id)
-        if t is None:
-            return FINISHED if transfer_id in self._completed else NOT_STARTED
-        return UNKNOWN if t.started_at or t.abandoned else NOT_STARTED
-
-    def _admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
-        if self.failed is not None:
-            raise self._refusal(NOT_STARTED)
-        if transfer_id in self._barred:
-            raise InvalidRequest(
-                f"transfer {transfer_id} was fenced before it arrived; it will never run",
-                reason="TRANSFER_BARRED",
-                metadata={"transferId": transfer_id},
-                transfer_state=NOT_STARTED,
-            )
-        if transfer_id in self.inflight or transfer_id in self._completed:
-            raise InvalidRequest(
-                f"transfer id {transfer_id} was already used",
-                reason="DUPLICATE_TRANSFER_ID",
-                metadata={"transferId": transfer_id},
-                transfer_state=NOT_STARTED,
-            )
-        self.check_deadline(deadline, nbytes)
-
-    # --- failure ---
-    def mark_failed(self, exc: KVServiceError) -> None:
-        """From any thread, at the moment a fatal failure is decided: no piece starts
-        after this (the first failure is the one kept). The loop's ``fail`` does the rest."""
-        with self._fail_lock:
-            if self.failed is None:
-                self.failed = exc
-
-    def _worker_died(self, thread: str, exc: BaseException) -> None:
-        log.critical("transfer worker %s died: %r", thread, exc)
-        fatal = FatalServerError(
-            f"transfer worker {thread} died: {exc!r}",
-            reason="TRANSFER_WORKER_DIED",
-            metadata={"thread": thread},
-        )
-        self.mark_failed(fatal)
-        self.on_fatal(fatal)
-
     def fail(self, exc: KVServiceError) -> None:
         """After a fatal failure (on the loop): refuse new copies, fail queued ones at
         once (NOT_STARTED), and answer the callers of stalled copies (UNKNOWN) now
         rather than at their deadlines. Running copies stay tracked for Fence."""
         self.mark_failed(exc)
-        for f in self._workers.drain():
+        for f in self.workers.drain():
             f.cancel()  # its done-callback finalizes it and answers NOT_STARTED
         for t in self.inflight.values():
             if t.started_at and not t.reply.done():
@@ -588,198 +330,4 @@ class TransferEngine:
         """A copy whose later parts are added while it runs (``Stream``), started with
         its first part, which is admitted as ``run`` admits a copy (refused:
         raised NOT_STARTED, ``finalize(None, error)`` called)."""
-        try:
-            self._admit(transfer_id, deadline, nbytes)
-        except BaseException as exc:
-            finalize(None, exc)
-            raise
-        loop = asyncio.get_running_loop()
-        transfer = Transfer(transfer_id, mapping_id, 0, loop.create_future(), loop.create_future())
-        self.inflight[transfer_id] = transfer
-        stream = Stream(self, transfer, deadline)
-        stream._start(nbytes, tasks, finalize)
-        return stream
-
-    def stalled(self, stall_timeout: float) -> list[tuple[str, str, float]]:
-        """(thread, transfer id, seconds) of copy pieces running past ``stall_timeout``."""
-        now = time.monotonic()
-        return [
-            (thread, tid, now - t0)
-            for thread, (tid, t0) in list(self._workers.running.items())
-            if now - t0 > stall_timeout
-        ]
-
-    def workers_alive(self) -> int:
-        return self._workers.alive()
-
-    def shutdown(self) -> None:
-        self._workers.shutdown()
-
-
-class Stream:
-    """One copy whose pieces come in parts while it runs (a Retrieve whose chunks
-    arrive from Redis group by group; ``TransferEngine.stream``): one transfer id
-    and one ``Transfer`` in flight, which Fence waits for, from the first part
-    until the last piece of the last part has ended. Parts run on the copy
-    threads (queued in order) and each is admitted on the loop when added: once
-    one is refused (closed, the deadline cannot fit it after the parts queued
-    ahead of it, an earlier part failed, a fatal failure) no later one starts, so
-    the parts that ran are a prefix."""
-
-    def __init__(self, engine: TransferEngine, transfer: Transfer, deadline: float | None) -> None:
-        self._engine = engine
-        self.transfer = transfer
-        self._deadline = deadline
-        self._loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()
-        self._futures: list[concurrent.futures.Future[Any]] = []
-        self._running = 0  # parts with pieces that have not ended
-        #: bytes of the parts added that are not copied yet (each piece counts an even
-        #: share of its part until it ends): what a part added now waits behind
-        self._ahead = 0
-        self._closed = False
-        self._first = True  # the next piece to run is the transfer's first
-        self.error: BaseException | None = None  # the first failure: raised by end()
-        self.refused: KVServiceError | None = None  # why the last part did not start
-
-    def add(
-        self,
-        nbytes: int,
-        tasks: Sequence[Callable[[], T]],
-        finalize: Callable[[list[T] | None, BaseException | None], None],
-    ) -> bool:
-        """On the loop: queue the next part; ``finalize(results, error)`` runs on the
-        loop once when its pieces have all ended, or now when it is refused (False;
-        ``refused`` says why when the deadline cannot fit it, ``error`` after a
-        fatal failure)."""
-        engine = self._engine
-        if not self._closed and self.error is None and self.refused is None:
-            if engine.failed is not None:
-                self.error = engine._refusal(FINISHED)
-            else:
-                try:
-                    engine.check_deadline(self._deadline, nbytes, ahead=self._ahead)
-                except KVServiceError as exc:
-                    self.refused = exc
-                    log.info(
-                        "transfer %s: a part of %d bytes not started (%s); the copy ends before it",
-                        self.transfer.transfer_id,
-                        nbytes,
-                        exc.message,
-                    )
-        if self._closed or self.error is not None or self.refused is not None:
-            finalize(None, self.error or self.refused)
-            return False
-        self._start(nbytes, tasks, finalize)
-        return True
-
-    def _start(
-        self,
-        nbytes: int,
-        tasks: Sequence[Callable[[], T]],
-        finalize: Callable[[list[T] | None, BaseException | None], None],
-    ) -> None:
-        engine, transfer = self._engine, self.transfer
-        transfer.nbytes += nbytes
-        pending = [len(tasks)]
-        left = [nbytes]  # of this part's bytes, those of pieces that have not ended
-        started = [0.0]
-
-        def work(task: Callable[[], T]) -> T:
-            with self._lock:
-                if engine.failed is not None:
-                    raise engine._refusal(FINISHED if transfer.started_at else NOT_STARTED)
-                first, self._first = self._first, False
-                if not started[0]:
-                    started[0] = time.monotonic()
-                if first:
-                    transfer.started_at = started[0]
-                    transfer.thread = threading.current_thread().name
-            try:
-                if first:
-                    failpoints.hit("transfer.before_copy")
-                result = task()
-                if first:
-                    failpoints.hit("transfer.after_copy")
-                return result
-            except Exception as exc:
-                error = engine._copy_failed(exc, transfer.transfer_id)
-                if error is exc:
-                    raise
-                raise error from exc
-
-        def part_done() -> None:
-            results, error = engine._collect(futures, transfer)
-            try:
-                finalize(results, error)
-            finally:
-                if error is not None:
-                    self.error = self.error or error
-                elif started[0]:
-                    engine.rate.observe(nbytes, time.monotonic() - started[0])
-                self._running -= 1
-                self._finish_if_over()
-
-        def piece_done(fut: concurrent.futures.Future[T]) -> None:
-            with self._lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-                share = left[0] - nbytes * pending[0] // len(tasks)
-                left[0] -= share
-                self._ahead -= share
-            if last:
-                self._loop.call_soon_threadsafe(part_done)
-            exc = None if fut.cancelled() else fut.exception()
-            if isinstance(exc, KVServiceError) and exc.fatal:
-                engine.on_fatal(exc)
-
-        self._running += 1
-        with self._lock:
-            self._ahead += nbytes
-        futures = [
-            engine._workers.submit(functools.partial(work, t), transfer.transfer_id) for t in tasks
-        ]
-        self._futures += futures
-        for f in futures:
-            f.add_done_callback(piece_done)
-
-    def _finish_if_over(self) -> None:
-        transfer = self.transfer
-        if self._closed and not self._running and not transfer.done.done():
-            del self._engine.inflight[transfer.transfer_id]
-            self._engine._remember(self._engine._completed, transfer.transfer_id)
-            transfer.done.set_result(None)
-            if not transfer.reply.done():
-                transfer.reply.set_result(None)
-
-    def fail(self, exc: BaseException) -> None:
-        """No part starts after this; end() raises ``exc`` (unless a part failed first)."""
-        self.error = self.error or exc
-
-    def close(self) -> None:
-        """No part is added after this; the transfer ends with its last piece."""
-        self._closed = True
-        self._finish_if_over()
-
-    def abandon(self) -> None:
-        """The call ended (cancelled): queued pieces never start; running ones are
-        tracked until they end, for Fence."""
-        self.close()
-        if not all([f.cancel() for f in self._futures if not f.done()]):
-            self.transfer.abandoned = True
-            log.warning(
-                "transfer %s outlived its call; tracked until it ends", self.transfer.transfer_id
-            )
-
-    async def end(self) -> None:
-        """Close, and wait until every part has ended; raises the first failure."""
-        self.close()
-        try:
-            await self.transfer.reply
-        except asyncio.CancelledError:
-            self.abandon()
-            raise
-        if self.transfer.failure is not None:
-            raise self.transfer.failure
-        if self.error is not None:
-            raise self.error
+        return Stream.open(self, transfer_id, mapping_id, deadline, nbytes, tasks, finalize)

@@ -1,0 +1,214 @@
+"""The transfer engine's copy of parts (``TransferEngine.stream``): it starts before
+its last part is known, and admits each part, behind those queued ahead of it,
+when the part is added."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvsvc.errors import FINISHED, NOT_STARTED, KVServiceError
+from kvsvc.server import failpoints
+from kvsvc.server.data.ledger import Transfer, TransferLedger
+
+log = logging.getLogger("kvsvc.server.data.transfer")  # the engine's log
+T = TypeVar("T")
+
+
+class Stream:
+    """One copy whose pieces come in parts while it runs (a Retrieve whose chunks
+    arrive from Redis group by group; ``TransferEngine.stream``): one transfer id
+    and one ``Transfer`` in flight, which Fence waits for, from the first part
+    until the last piece of the last part has ended. Parts run on the copy
+    threads (queued in order) and each is admitted on the loop when added: once
+    one is refused (closed, the deadline cannot fit it after the parts queued
+    ahead of it, an earlier part failed, a fatal failure) no later one starts, so
+    the parts that ran are a prefix."""
+
+    def __init__(self, engine: TransferLedger, transfer: Transfer, deadline: float | None) -> None:
+        self._engine = engine
+        self.transfer = transfer
+        self._deadline = deadline
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._futures: list[concurrent.futures.Future[Any]] = []
+        self._running = 0  # parts with pieces that have not ended
+        #: bytes of the parts added that are not copied yet (each piece counts an even
+        #: share of its part until it ends): what a part added now waits behind
+        self._ahead = 0
+        self._closed = False
+        self._first = True  # the next piece to run is the transfer's first
+        self.error: BaseException | None = None  # the first failure: raised by end()
+        self.refused: KVServiceError | None = None  # why the last part did not start
+
+    @classmethod
+    def open(
+        cls,
+        engine: TransferLedger,
+        transfer_id: str,
+        mapping_id: str,
+        deadline: float | None,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> Stream:
+        """The stream started with its first part, which is admitted as a whole copy
+        is (refused: raised NOT_STARTED, ``finalize(None, error)`` called)."""
+        try:
+            engine.admit(transfer_id, deadline, nbytes)
+        except BaseException as exc:
+            finalize(None, exc)
+            raise
+        loop = asyncio.get_running_loop()
+        transfer = Transfer(transfer_id, mapping_id, 0, loop.create_future(), loop.create_future())
+        engine.inflight[transfer_id] = transfer
+        stream = cls(engine, transfer, deadline)
+        stream._start(nbytes, tasks, finalize)
+        return stream
+
+    def add(
+        self,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> bool:
+        """On the loop: queue the next part; ``finalize(results, error)`` runs on the
+        loop once when its pieces have all ended, or now when it is refused (False;
+        ``refused`` says why when the deadline cannot fit it, ``error`` after a
+        fatal failure)."""
+        engine = self._engine
+        if not self._closed and self.error is None and self.refused is None:
+            if engine.failed is not None:
+                self.error = engine.refusal(FINISHED)
+            else:
+                try:
+                    engine.check_deadline(self._deadline, nbytes, ahead=self._ahead)
+                except KVServiceError as exc:
+                    self.refused = exc
+                    log.info(
+                        "transfer %s: a part of %d bytes not started (%s); the copy ends before it",
+                        self.transfer.transfer_id,
+                        nbytes,
+                        exc.message,
+                    )
+        if self._closed or self.error is not None or self.refused is not None:
+            finalize(None, self.error or self.refused)
+            return False
+        self._start(nbytes, tasks, finalize)
+        return True
+
+    def _start(
+        self,
+        nbytes: int,
+        tasks: Sequence[Callable[[], T]],
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> None:
+        engine, transfer = self._engine, self.transfer
+        transfer.nbytes += nbytes
+        pending = [len(tasks)]
+        left = [nbytes]  # of this part's bytes, those of pieces that have not ended
+        started = [0.0]
+
+        def work(task: Callable[[], T]) -> T:
+            with self._lock:
+                if engine.failed is not None:
+                    raise engine.refusal(FINISHED if transfer.started_at else NOT_STARTED)
+                first, self._first = self._first, False
+                if not started[0]:
+                    started[0] = time.monotonic()
+                if first:
+                    transfer.started_at = started[0]
+                    transfer.thread = threading.current_thread().name
+            try:
+                if first:
+                    failpoints.hit("transfer.before_copy")
+                result = task()
+                if first:
+                    failpoints.hit("transfer.after_copy")
+                return result
+            except Exception as exc:
+                error = engine.copy_failed(exc, transfer.transfer_id)
+                if error is exc:
+                    raise
+                raise error from exc
+
+        def part_done() -> None:
+            results, error = engine.collect(futures, transfer)
+            try:
+                finalize(results, error)
+            finally:
+                if error is not None:
+                    self.error = self.error or error
+                elif started[0]:
+                    engine.rate.observe(nbytes, time.monotonic() - started[0])
+                self._running -= 1
+                self._finish_if_over()
+
+        def piece_done(fut: concurrent.futures.Future[T]) -> None:
+            with self._lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+                share = left[0] - nbytes * pending[0] // len(tasks)
+                left[0] -= share
+                self._ahead -= share
+            if last:
+                self._loop.call_soon_threadsafe(part_done)
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, KVServiceError) and exc.fatal:
+                engine.on_fatal(exc)
+
+        self._running += 1
+        with self._lock:
+            self._ahead += nbytes
+        futures = [
+            engine.workers.submit(functools.partial(work, t), transfer.transfer_id) for t in tasks
+        ]
+        self._futures += futures
+        for f in futures:
+            f.add_done_callback(piece_done)
+
+    def _finish_if_over(self) -> None:
+        transfer = self.transfer
+        if self._closed and not self._running and not transfer.done.done():
+            self._engine.retire(transfer.transfer_id)
+            transfer.done.set_result(None)
+            if not transfer.reply.done():
+                transfer.reply.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        """No part starts after this; end() raises ``exc`` (unless a part failed first)."""
+        self.error = self.error or exc
+
+    def close(self) -> None:
+        """No part is added after this; the transfer ends with its last piece."""
+        self._closed = True
+        self._finish_if_over()
+
+    def abandon(self) -> None:
+        """The call ended (cancelled): queued pieces never start; running ones are
+        tracked until they end, for Fence."""
+        self.close()
+        if not all([f.cancel() for f in self._futures if not f.done()]):
+            self.transfer.abandoned = True
+            log.warning(
+                "transfer %s outlived its call; tracked until it ends", self.transfer.transfer_id
+            )
+
+    async def end(self) -> None:
+        """Close, and wait until every part has ended; raises the first failure."""
+        self.close()
+        try:
+            await self.transfer.reply
+        except asyncio.CancelledError:
+            self.abandon()
+            raise
+        if self.transfer.failure is not None:
+            raise self.transfer.failure
+        if self.error is not None:
+            raise self.error
