@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm clean
+.PHONY: serve test check unit install native bench-smoke proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -51,7 +51,7 @@ check: install lint typecheck unit
 unit: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
-test: install lint typecheck check-proto buf pytest clients cpp languages deploy packages vllm test-container
+test: install lint typecheck check-proto buf pytest bench-smoke clients cpp languages deploy packages vllm test-container
 	@echo "make test: all checks passed"
 
 proto: install
@@ -84,6 +84,20 @@ redis-server:
 
 pytest: install redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The benchmarks' extra (pyzmq + msgpack for the control plane's ZMQ echo, tqdm,
+# matplotlib, py-spy): what `python -m benchmarks.run` imports. LMCache, the peer
+# it is compared with, needs its own venv (docs/benchmarks.md); without it that
+# row is skipped with the reason printed.
+$(VENV)/.bench-installed: $(VENV)/.installed
+	@echo "make: installing the benchmarks' extra into $(VENV) (pip install -e '.[bench]')"
+	$(PY) -m pip install -q -e '.[bench]'
+	@touch $@
+
+# Every section of benchmarks.run at tiny sizes (< 2 min on 2 cores), so the
+# benchmarks cannot rot unseen: fails, naming the section, if any section errs.
+bench-smoke: $(VENV)/.bench-installed native
+	$(PY) -m benchmarks.run --smoke --out bench-results/smoke
 
 clients: install
 	./scripts/check_clients.sh

@@ -4,7 +4,7 @@ one without authentication and one with a tenant file (every call carries a bear
 token, goes through the interceptor, and is scoped to its tenant). Rounds
 alternate between the two so machine noise hits both alike.
 
-    python -m benchmarks.auth_cost [--rounds 20] [--lookups 500]
+    python -m benchmarks.auth_cost [--rounds 20] [--lookups 500] [--smoke]
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--lookups", type=int, default=500)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.lookups = 1, 20
     res = measure(args.rounds, args.lookups)
     base, auth = res["no auth"], res["token auth"]
     rows = [

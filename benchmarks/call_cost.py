@@ -4,7 +4,7 @@
 (all its threads, /proc) and of the calling process (all its threads: gRPC's
 included). CPU per call is what a loaded machine disturbs least.
 
-    python -m benchmarks.call_cost [--chunk-blocks 1] [--batch 1] [--calls 400]
+    python -m benchmarks.call_cost [--chunk-blocks 1] [--batch 1] [--calls 400] [--smoke]
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--chunk-blocks", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.chunk_blocks, args.calls = [1], 10
     for cb in args.chunk_blocks:
         for r in measure(cb, args.batch, args.calls):
             print(f"{r['chunk_mib']:2} MiB x {r['batch']} {r['op']:8}: wall {r['wall_us']:6.0f} µs"

@@ -225,7 +225,9 @@ class ThreadsBusy:
 
 # --- machine ---
 def machine_info() -> dict[str, str]:
-    """The facts a reader needs to compare figures across machines."""
+    """The facts a reader needs to compare figures across machines: cores usable
+    here (``nproc``), CPU model, memory, kernel, versions, and the load average
+    when the run began (other work on a shared machine shows there)."""
     cpu = "unknown"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -238,18 +240,20 @@ def machine_info() -> dict[str, str]:
         mem = f"{kb / (1 << 20):.1f} GiB"
     info = {
         "host": platform.node(),
-        "cores": str(os.cpu_count()),
+        "cores": str(len(os.sched_getaffinity(0))),
         "cpu": cpu,
         "memory": mem,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     for mod in ("torch", "grpc", "google.protobuf", "numpy", "zmq", "msgpack"):
+        key = mod.replace("google.", "")
         try:
             m = __import__(mod, fromlist=["__version__"])
-            info[mod.replace("google.", "")] = str(getattr(m, "__version__", "?"))
+            info[key] = str(getattr(m, "__version__", "?"))
         except ImportError:
-            info[mod] = "not installed"
+            info[key] = "not installed"
     return info
 
 
@@ -257,7 +261,8 @@ def machine_line(info: dict[str, str]) -> str:
     return (
         f"{info['cores']} cores ({info['cpu']}), {info['memory']} RAM, Linux {info['kernel']}; "
         f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpc']}, "
-        f"protobuf {info['protobuf']}, pyzmq {info['zmq']}, msgpack {info['msgpack']}"
+        f"protobuf {info['protobuf']}, pyzmq {info['zmq']}, msgpack {info['msgpack']}; "
+        f"load average {info['load']} (1, 5, 15 min) at the start"
     )
 
 

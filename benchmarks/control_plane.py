@@ -15,7 +15,7 @@ threads on one synchronous client (KVCacheClient, a grpc channel, LMCache's
 client). Targets of one transport are measured in alternating rounds so that
 machine noise hits them alike; samples are pooled over the rounds.
 
-    python -m benchmarks.control_plane [--quick] [--no-lmcache]
+    python -m benchmarks.control_plane [--quick | --smoke] [--no-lmcache]
 """
 
 from __future__ import annotations
@@ -435,14 +435,16 @@ def planned_steps(lmcache: bool) -> int:
 def run(
     *,
     quick: bool,
+    smoke: bool = False,
     lmcache: bool = True,
     lmcache_py: str | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
+    """``smoke``: every target at every concurrency for 0.1 s (checks that it runs)."""
     progress = progress or NullProgress()
-    rounds = 1 if quick else 3
-    seconds = 0.7 if quick else 1.5
-    warmup = 0.2 if quick else 0.3
+    rounds = 1 if quick or smoke else 3
+    seconds = 0.1 if smoke else 0.7 if quick else 1.5
+    warmup = 0.05 if smoke else 0.2 if quick else 0.3
     req_bytes, reply_bytes = sizes()
     samples: dict[tuple[str, str, str, int], Sample] = {}
     notes: list[str] = [
@@ -602,12 +604,14 @@ def session_goals(rs: list[dict]) -> list[tuple[str, str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache")
     ap.add_argument("--lmcache-python", default=None,
                     help=f"Python with lmcache installed (default: $KVSVC_BENCH_LMCACHE_PYTHON, "
                          f"{DEFAULT_LMCACHE_PYTHON}, this Python)")  # fmt: skip
     args = ap.parse_args()
-    result = run(quick=args.quick, lmcache=not args.no_lmcache, lmcache_py=args.lmcache_python)
+    result = run(quick=args.quick, smoke=args.smoke, lmcache=not args.no_lmcache,
+                 lmcache_py=args.lmcache_python)  # fmt: skip
     print(table(rows(result)))
     print()
     print(md_table(["goal (issue 18)", "verdict", "kvsvc vs LMCache ZMQ"],

@@ -8,7 +8,7 @@ Besides wall-clock GB/s it reports CPU seconds per GB of this process (all its
 threads), which a loaded machine disturbs far less than wall time: on a shared
 2-core machine the wall figures of all three move together with the load.
 
-    python -m benchmarks.copy_loop [--rounds 7] [--chunk-blocks 1 16]
+    python -m benchmarks.copy_loop [--rounds 7] [--chunk-blocks 1 16] [--smoke]
 """
 
 from __future__ import annotations
@@ -144,7 +144,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunk-blocks", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.chunk_blocks = 1, [1]
     print(f"load before: {os.getloadavg()}; native loop: {copies.NATIVE is not None}")
     rows = run(args.rounds, args.chunk_blocks)
     print(md_table(

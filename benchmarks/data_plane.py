@@ -31,7 +31,14 @@ than fresh memory each round: the store's buffer is allocated (and its pages
 faulted) once, so a fresh ``torch.empty`` per round would charge the reference
 page faults kvsvc never pays.
 
-    python -m benchmarks.data_plane [--quick] [--threads N] [--clients N ...]
+The cold set a Retrieve reads is the stored rounds still all in the store,
+asked of the server (Lookup) rather than assumed: the store's first-fit
+allocator does not move chunks, so after one size of chunk another size packs
+less tightly than capacity / size (measured: a 3 GiB store that held 2 MiB
+chunks then holds 82, not 95, chunks of 32 MiB), and the rounds counted from
+the capacity were no longer all there.
+
+    python -m benchmarks.data_plane [--quick | --smoke] [--threads N] [--clients N ...]
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ HALF_BLOCK_BYTES = BLOCK * HEADS * HEAD_DIM * 2  # one block's K (or V) bytes in
 CHUNK_BLOCKS = (1, 16)  # 2 MiB and 32 MiB chunks
 BATCHES = (1, 16)
 STORE_BYTES = 3 << 30
+#: --smoke: 2 MiB chunks, batches of 4, a 128 MiB store (checks that it runs)
+SMOKE_CHUNK_BLOCKS, SMOKE_BATCHES, SMOKE_STORE_BYTES = (1,), (4,), 128 << 20
 
 Op = tuple[int, int, memoryview]  # (fd, file offset, buffer slice)
 
@@ -69,13 +78,19 @@ Op = tuple[int, int, memoryview]  # (fd, file offset, buffer slice)
 REGIONS = ("memfd", "file")
 
 
-def cases(clients: list[int], regions: Sequence[str] = REGIONS) -> list[tuple[str, int, int, int]]:
-    return [(r, c, b, n) for r in regions for c in CHUNK_BLOCKS for b in BATCHES for n in clients]
+def cases(
+    clients: list[int], regions: Sequence[str] = REGIONS, smoke: bool = False
+) -> list[tuple[str, int, int, int]]:
+    chunk_blocks, batches = (
+        (SMOKE_CHUNK_BLOCKS, SMOKE_BATCHES) if smoke else (CHUNK_BLOCKS, BATCHES)
+    )
+    return [(r, c, b, n) for r in regions for c in chunk_blocks for b in batches for n in clients]
 
 
 def run(
     *,
     quick: bool,
+    smoke: bool = False,
     threads: int = 2,
     clients: list[int] | None = None,
     regions: Sequence[str] = REGIONS,
@@ -85,11 +100,12 @@ def run(
     """Every case; one row per (op, chunk, batch, clients)."""
     clients = clients or [1, 4]
     progress = progress or NullProgress()
-    seconds = 1.0 if quick else 3.0
+    seconds = 0.1 if smoke else 1.0 if quick else 3.0
+    store_bytes = SMOKE_STORE_BYTES if smoke else STORE_BYTES
     torch.set_num_threads(threads)
     rows: list[dict] = []
-    with KvsvcServer(threads=threads, store_bytes=STORE_BYTES, shm_dir=shm_dir) as server:
-        for region, chunk_blocks, batch, n_clients in cases(clients, regions):
+    with KvsvcServer(threads=threads, store_bytes=store_bytes, shm_dir=shm_dir) as server:
+        for region, chunk_blocks, batch, n_clients in cases(clients, regions, smoke):
             rows.extend(
                 run_case(
                     server.address,
@@ -101,6 +117,7 @@ def run(
                     seconds,
                     threads,
                     server.pid,
+                    store_bytes,
                 )
             )
             for r in rows[-2:]:
@@ -163,9 +180,11 @@ def _pwrite_all(ops: list[Op]) -> None:
 
 def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: int,
              n_clients: int, seconds: float, threads: int = 2,
-             server_pid: int | None = None) -> list[dict]:  # fmt: skip
-    """One case; with ``server_pid``, the cores its copy threads and event-loop
-    thread keep busy while kvsvc's calls run (from /proc)."""
+             server_pid: int | None = None,
+             store_bytes: int = STORE_BYTES) -> list[dict]:  # fmt: skip
+    """One case against a server of ``store_bytes``; with ``server_pid``, the cores
+    its copy threads and event-loop thread keep busy while kvsvc's calls run
+    (from /proc)."""
     blocks = chunk_blocks * batch
     tag = f"bench-{os.getpid()}-{region}-{chunk_blocks}-{batch}-{n_clients}"
     memfd = region == "memfd"
@@ -216,8 +235,8 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
         bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_clients)]
         # The cold set: per client, as many buffers as the store holds of its
         # rounds (less one, for the keys' share of the capacity), together about
-        # STORE_BYTES, the memory kvsvc's Stores cycle through.
-        ring_len = max(1, STORE_BYTES // (nbytes * n_clients) - 1)
+        # the store's capacity, the memory kvsvc's Stores cycle through.
+        ring_len = max(1, store_bytes // (nbytes * n_clients) - 1)
         rings = [[torch.empty(nbytes, dtype=torch.uint8) for _ in range(ring_len)]
                  for _ in range(n_clients)]  # fmt: skip
         for b in [*bufs, *(b for ring in rings for b in ring)]:
@@ -305,10 +324,24 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                                  "plain_cold": plain("store", cold(ring_len)),
                                  "pread": raw("store")})  # fmt: skip
         stores["kvsvc_cold"] = stores["kvsvc"]  # every Store writes a fresh chunk
+
         # The chunks of the last store are present: "kvsvc" retrieves them
-        # repeatedly; "kvsvc_cold" the last ``present`` rounds' in turn (all still
-        # in the store), beside the torch copy out of as many ring buffers.
-        present = stored[-min(ring_len, len(stored)) :]
+        # repeatedly; "kvsvc_cold" the last rounds still all in the store (the
+        # server says which: Lookup), in turn, beside the torch copy out of as
+        # many ring buffers.
+        def whole(n: int) -> bool:
+            keys = [b"%d-%d" % (n, j) for j in range(batch)]
+            return all(
+                c.lookup(keys, mapping=m[1]) == batch for c, m in zip(clients, maps, strict=True)
+            )
+
+        present: list[int] = []
+        for n in reversed(stored[-ring_len:]):
+            if not whole(n):
+                break
+            present.insert(0, n)
+        if not present:
+            raise RuntimeError(f"the last Store's chunks are not in the store ({tag})")
         rounds = itertools.cycle(present)  # oldest first: the longest out of the cache
 
         def retrieve_all(n: int | None = None) -> None:
@@ -368,6 +401,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter measurements")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     ap.add_argument("--threads", type=int, default=2,
                     help="server transfer threads = torch threads")  # fmt: skip
     ap.add_argument("--clients", type=int, nargs="*", default=[1, 4], help="concurrent clients")
@@ -375,7 +409,7 @@ def main() -> None:
                     help="region kinds: sealed memfd (memcpy) and file (preadv)")  # fmt: skip
     ap.add_argument("--shm-dir", default="/dev/shm")
     args = ap.parse_args()
-    rows = run(quick=args.quick, threads=args.threads, clients=args.clients,
+    rows = run(quick=args.quick, smoke=args.smoke, threads=args.threads, clients=args.clients,
                regions=args.regions, shm_dir=args.shm_dir)  # fmt: skip
     print()
     print(table(rows))

@@ -10,7 +10,7 @@
    the same Lookup against a server with handler.enter=Lookup@raise and against
    a normal one, calls interleaved, p50/p99.
 
-    python -m benchmarks.fault_detection [--quick] [--out DIR]
+    python -m benchmarks.fault_detection [--quick | --smoke] [--out DIR]
 
 Prints a markdown table; with --out, also writes it to DIR/fault_detection.md.
 """
@@ -170,12 +170,13 @@ def ms(x: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 injections, 300 calls")
+    ap.add_argument("--smoke", action="store_true", help="1 injection, 50 calls")
     ap.add_argument("--injections", type=int, default=None)
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
-    n_inj = args.injections or (3 if args.quick else 20)
-    n_calls = args.calls or (300 if args.quick else 2000)
+    n_inj = args.injections or (1 if args.smoke else 3 if args.quick else 20)
+    n_calls = args.calls or (50 if args.smoke else 300 if args.quick else 2000)
 
     workdir = Path(tempfile.mkdtemp(prefix="kvsvc-fault-bench-"))
     try:
@@ -200,7 +201,7 @@ def main() -> int:
         return [r[key] for r in runs]
 
     lines = [
-        f"# Fault detection ({'quick' if args.quick else 'full'} run)",
+        f"# Fault detection ({'smoke' if args.smoke else 'quick' if args.quick else 'full'} run)",
         "",
         f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"grpcio {grpc.__version__}; client and server on 127.0.0.1.",

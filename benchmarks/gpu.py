@@ -13,7 +13,7 @@ References, per direction:
 * ``copy_ contiguous``: one ``copy_`` of the same number of bytes between one
   contiguous device tensor and the pinned buffer - the link's peak.
 
-    python -m benchmarks.gpu [--quick] [--threads N]
+    python -m benchmarks.gpu [--quick | --smoke] [--threads N]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from benchmarks.common import KvsvcServer, NullProgress, Progress, bench_interle
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2  # 2 MiB per block, bf16
 CASES = [(c, b) for c in (1, 16) for b in (1, 16)]  # (blocks per chunk, chunks per call)
+SMOKE_CASES = [(1, 1)]
 
 
 class GpuBenchError(RuntimeError):
@@ -46,18 +47,22 @@ def gpu_available() -> tuple[bool, str]:
     return True, f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
 
-def run(*, quick: bool, threads: int = 2, progress: Progress | None = None) -> dict[str, Any]:
+def run(
+    *, quick: bool, smoke: bool = False, threads: int = 2, progress: Progress | None = None
+) -> dict[str, Any]:
+    """``smoke``: one 2 MiB case for 0.1 s (checks that it runs)."""
     progress = progress or NullProgress()
     ok, why = gpu_available()
     if not ok:
         return {"skipped": why, "rows": []}
-    seconds = 1.0 if quick else 3.0
+    seconds = 0.1 if smoke else 1.0 if quick else 3.0
+    cases = SMOKE_CASES if smoke else CASES
     rows: list[dict[str, Any]] = []
-    largest = max(c * b for c, b in CASES) * BLOCK_BYTES
+    largest = max(c * b for c, b in cases) * BLOCK_BYTES
     shm_dir = tempfile.mkdtemp(prefix="kvsvc-gpu-")
     with KvsvcServer(threads=threads, store_bytes=4 * largest, shm_dir=shm_dir,
                      extra_args=["--device", "cuda"]) as server:  # fmt: skip
-        for chunk_blocks, batch in CASES:
+        for chunk_blocks, batch in cases:
             rows.extend(run_case(server, chunk_blocks, batch, seconds))
             torch.cuda.empty_cache()  # the case's tensors are gone with run_case
             for r in rows[-2:]:
@@ -186,10 +191,11 @@ def table(result: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     ap.add_argument("--threads", type=int, default=2, help="server transfer threads")
     args = ap.parse_args()
     try:
-        result = run(quick=args.quick, threads=args.threads)
+        result = run(quick=args.quick, smoke=args.smoke, threads=args.threads)
     except GpuBenchError as exc:
         print(f"GPU benchmark FAILED: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@ The store touches its memory up front (a private anonymous mapping with huge
 pages, counted in RssAnon), so RSS is about the capacity from the start; what
 matters is what comes on top of it and whether that grows.
 
-    python -m benchmarks.memory [--quick] [--soak-seconds S]
+    python -m benchmarks.memory [--quick | --smoke] [--soak-seconds S]
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # 2 MiB blocks, as in data_plan
 CHUNK_BLOCKS = 16  # 32 MiB chunks for filling
 
 
-def capacities(quick: bool) -> list[int]:
+def capacities(quick: bool, smoke: bool = False) -> list[int]:
+    if smoke:
+        return [64 * MiB]
     return [256 * MiB] if quick else [256 * MiB, 1 * GiB, 4 * GiB]
 
 
@@ -67,13 +69,19 @@ def fill_and_churn(capacity: int, shm_dir: str) -> dict[str, Any]:
             r = c.store(m, [(b"fill-%d" % i, ids)])
             assert r.stored_chunks == 1, r
         info = c.server_info()
-        assert info.used_bytes >= n_fill * chunk_bytes, info
+        # Full: no room for one more chunk. The store counts each chunk's key and
+        # metadata against the capacity too, so the last of ``n_fill`` chunks of
+        # capacity / chunk bytes evicted the first (used >= n_fill x chunk fails).
+        assert info.capacity_bytes - info.used_bytes < chunk_bytes, info
+        assert info.evicted_chunks <= 1, info
         filled = proc_status(server.pid)
         evicted0 = info.evicted_chunks
         for i in range(2 * n_fill):
             c.store(m, [(b"churn-%d" % i, ids)])
-        # and read back what is there, through the other direction
-        for i in range(2 * n_fill - 4, 2 * n_fill):
+        # and read back what is there (the newest of as many as the fill left held),
+        # through the other direction
+        held = n_fill - evicted0
+        for i in range(2 * n_fill - min(4, held), 2 * n_fill):
             assert c.retrieve(m, [(b"churn-%d" % i, ids)]).loaded_chunks == 1
         info = c.server_info()
         churned = proc_status(server.pid)
@@ -224,17 +232,20 @@ def soak(capacity: int, shm_dir: str, seconds: float, progress: Progress) -> dic
     }
 
 
-def run(*, quick: bool, soak_seconds: float | None = None,
+def run(*, quick: bool, smoke: bool = False, soak_seconds: float | None = None,
         progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
+    """``smoke``: a 64 MiB store and a 3 s soak (checks the section runs, measures
+    nothing worth keeping)."""
     progress = progress or NullProgress()
     shm_dir = tempfile.mkdtemp(prefix="kvsvc-mem-", dir="/dev/shm")
+    soak_bytes = 64 * MiB if smoke else 256 * MiB if quick else 1 * GiB
+    default_soak = 3.0 if smoke else 20.0 if quick else 120.0
     try:
         fills = []
-        for cap in capacities(quick):
+        for cap in capacities(quick, smoke):
             fills.append(fill_and_churn(cap, shm_dir))
             progress.step(f"memory fill {cap >> 20} MiB")
-        s = soak(1 * GiB if not quick else 256 * MiB, shm_dir,
-                 soak_seconds or (20.0 if quick else 120.0), progress)  # fmt: skip
+        s = soak(soak_bytes, shm_dir, soak_seconds or default_soak, progress)
         progress.step("memory soak")
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -273,9 +284,10 @@ def tables(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     ap.add_argument("--soak-seconds", type=float, default=None)
     args = ap.parse_args()
-    print(tables(run(quick=args.quick, soak_seconds=args.soak_seconds)))
+    print(tables(run(quick=args.quick, smoke=args.smoke, soak_seconds=args.soak_seconds)))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,24 @@ def py_spy() -> str | None:
     return str(exe) if exe.exists() else shutil.which("py-spy")
 
 
+def can_profile() -> tuple[bool, str]:
+    """(whether py-spy can sample a server this process starts, why not). Yama's
+    ptrace_scope 1 (Ubuntu's default) lets a process trace only its descendants,
+    and py-spy is the server's sibling: only root (or scope 0) can."""
+    if py_spy() is None:
+        return False, "py-spy is not installed (pip install -e '.[bench]'): profiles skipped"
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        scope = 0  # no Yama: classic ptrace rules (same user may trace)
+    if scope > 0 and os.geteuid() != 0:
+        return False, (
+            f"kernel.yama.ptrace_scope is {scope} and this is not root: py-spy cannot "
+            "attach to the server, profiles skipped"
+        )
+    return True, ""
+
+
 def start_record(
     pid: int, seconds: float, out: Path, rate: int = 250, extra: list[str] | None = None
 ) -> subprocess.Popen:
@@ -216,6 +234,7 @@ def profile(
     batch: int = 16,
     gil: bool | None = None,
     region: str = "memfd",
+    store_bytes: int = 3 << 30,
 ) -> dict[str, Any]:
     """Run ``mode``'s load against a fresh server for ``seconds`` + margins while
     py-spy records the server (and this process, for ``lookup``), and measure
@@ -230,7 +249,7 @@ def profile(
     shm_dir = tempfile.mkdtemp(prefix="kvsvc-prof-", dir="/dev/shm")
     extra = ["--gil"] if gil else []
     try:
-        with KvsvcServer(store_bytes=3 << 30, shm_dir=shm_dir) as server:
+        with KvsvcServer(store_bytes=store_bytes, shm_dir=shm_dir) as server:
             result: dict[str, Any] = {"mode": mode, "seconds": seconds, "concurrency": concurrency,
                                       "chunk_blocks": chunk_blocks, "batch": batch,
                                       "gil": gil, "region": region}  # fmt: skip

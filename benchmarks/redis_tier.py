@@ -19,7 +19,7 @@ ratios are per round (tier / raw of that round), reported as the median and the
 spread (min-max). ``os.getloadavg()`` is printed
 per round: read the figures with it.
 
-    python -m benchmarks.redis_tier [--total-mib 256] [--rounds 5] [--lookups 2000]
+    python -m benchmarks.redis_tier [--total-mib 256] [--rounds 5] [--lookups 2000] [--smoke]
 
 Needs redis-server (scripts/install_redis.sh). Prints markdown tables.
 """
@@ -373,7 +373,10 @@ def main() -> int:
                    help="the engines' KV regions: shm files (the default cache) or sealed "
                         "memfds (the vLLM connector's)")  # fmt: skip
     p.add_argument("--baseline-src", default="", help="another checkout: its Lookup too")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = p.parse_args()
+    if args.smoke:
+        args.total_mib, args.rounds, args.lookups = 32, 1, 40
     work = Path(tempfile.mkdtemp(prefix="kvsvc-redis-bench-"))
     shm = tempfile.mkdtemp(prefix="kvsvc-redis-bench-", dir="/dev/shm")
     rs = RedisServer(work / "redis")

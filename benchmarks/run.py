@@ -1,7 +1,7 @@
 """Every kvsvc benchmark, each beside its reference measured in the same run on
 the same machine, in one command:
 
-    python -m benchmarks.run [--quick] [--out bench-results]
+    python -m benchmarks.run [--quick | --smoke] [--out bench-results]
 
 Sections (each runs in this process tree; servers are child processes):
 1. data plane: Store/Retrieve over shared memory vs a torch copy and raw
@@ -14,8 +14,14 @@ Sections (each runs in this process tree; servers are child processes):
 6. GPU: pinned H2D/D2H through the service vs copy_ (benchmarks/gpu.py; skipped
    without a GPU);
 then, for each goal missed, a py-spy profile of the server under that load
-(benchmarks/profile_server.py). Writes results.md, results.json and PNG plots
-into --out; exits 1 if a section failed.
+(benchmarks/profile_server.py; skipped, with the reason printed, where py-spy
+cannot attach). Writes results.md, results.json and PNG plots into --out; exits
+1 if a section failed, naming it.
+
+``--smoke`` runs every section at tiny sizes (under 2 minutes on 2 cores), and
+always one short profile and the Lookup cost ladder: it checks that the
+benchmarks still run (``make bench-smoke``, part of ``make test``); its figures
+mean nothing.
 """
 
 from __future__ import annotations
@@ -53,13 +59,14 @@ def git_state() -> str:
 
 
 # --- 3 + 4: the fault benchmark, another script ---
-def run_fault_detection(quick: bool, progress: Progress, out_dir: Path) -> dict[str, Any]:
-    """Run benchmarks/fault_detection.py and read its markdown tables."""
+def run_fault_detection(size: str, progress: Progress, out_dir: Path) -> dict[str, Any]:
+    """Run benchmarks/fault_detection.py (``size``: "full", "quick" or "smoke") and
+    read its markdown tables."""
     script = REPO / "benchmarks" / "fault_detection.py"
     if not script.exists():
         raise RuntimeError(f"{script} does not exist")
     cmd = [sys.executable, "-m", "benchmarks.fault_detection", "--out", str(out_dir),
-           *(["--quick"] if quick else [])]  # fmt: skip
+           *([f"--{size}"] if size != "full" else [])]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     timer = threading.Timer(1800, proc.kill)  # bounded: 30 minutes at most
@@ -285,11 +292,12 @@ def plots(out: Path, results: dict[str, Any], progress: Progress) -> list[str]:
 # --- the report ---
 def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, str],
            started: float, made: list[str]) -> str:  # fmt: skip
-    mode = "quick" if args.quick else "full"
+    mode = size_of(args)
+    flag = f" --{mode}" if mode != "full" else ""
     md = [
         f"# kvsvc benchmarks ({mode} run)",
         "",
-        f"`python -m benchmarks.run{' --quick' if args.quick else ''} --out {args.out}`, "
+        f"`python -m benchmarks.run{flag} --out {args.out}`, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{(time.monotonic() - started) / 60:.1f} min, kvsvc at {git_state()}.",
         "",
@@ -360,6 +368,8 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
         md += [f"Failed: {err['gpu']}", ""]
     # goals and profiles
     md += ["## Goals", "", md_table(["goal", "verdict", "detail"], goals), ""]
+    if results.get("profiles_skipped"):
+        md += ["## Profiles", "", f"Skipped: {results['profiles_skipped']}.", ""]
     if results.get("profiles"):
         md += ["## Profiles of the missed goals (py-spy, `kvsvc serve` and its caller)", ""]
         for p in results["profiles"]:
@@ -376,9 +386,17 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
     return "\n".join(md)
 
 
+def size_of(args: argparse.Namespace) -> str:
+    """ "smoke", "quick" or "full"."""
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="shorter measurements (~5 minutes)")
+    sizes = ap.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="shorter measurements (~15 minutes)")
+    sizes.add_argument("--smoke", action="store_true",
+                       help="tiny sizes, every section: checks that they run")  # fmt: skip
     ap.add_argument("--out", default="bench-results", help="results folder")
     ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache in the control plane")
@@ -386,8 +404,11 @@ def main() -> int:
                     help="Python that has lmcache (default: $KVSVC_BENCH_LMCACHE_PYTHON, "
                          f"{control_plane.DEFAULT_LMCACHE_PYTHON}, this Python)")  # fmt: skip
     ap.add_argument("--soak-seconds", type=float, default=None,
-                    help="memory soak length (default 120, 20 with --quick)")  # fmt: skip
+                    help="memory soak seconds (120; --quick 20, --smoke 3)")  # fmt: skip
     args = ap.parse_args()
+    smoke = args.smoke
+    quick = args.quick or smoke
+    clients = [1, 2] if smoke else [1, 4]
     out = Path(args.out)
     if not out.is_absolute():
         out = Path.cwd() / out
@@ -396,16 +417,17 @@ def main() -> int:
     info = machine_info()
     has_gpu, gpu_why = gpu.gpu_available()
     only = set(args.only)
+    gpu_cases = len(gpu.SMOKE_CASES if smoke else gpu.CASES) if has_gpu else 1
     steps = (
-        (len(data_plane.cases([1, 4])) if "data" in only else 0)
+        (len(data_plane.cases(clients, smoke=smoke)) if "data" in only else 0)
         + (control_plane.planned_steps(not args.no_lmcache) if "control" in only else 0)
         + (1 if "faults" in only else 0)
-        + (len(memory.capacities(args.quick)) + 1 if "memory" in only else 0)
-        + ((len(gpu.CASES) if has_gpu else 1) if "gpu" in only else 0)
+        + (len(memory.capacities(quick, smoke)) + 1 if "memory" in only else 0)
+        + (gpu_cases if "gpu" in only else 0)
     )
     progress = Progress(steps, "kvsvc bench")
     progress.log(f"machine: {machine_line(info)}")
-    results: dict[str, Any] = {"machine": info, "quick": args.quick, "errors": {}}
+    results: dict[str, Any] = {"machine": info, "size": size_of(args), "errors": {}}
 
     def section(name: str, fn: Any) -> None:
         if name not in only:
@@ -419,22 +441,23 @@ def main() -> int:
         progress.log(f"section {name}: {time.monotonic() - t0:.0f} s")
 
     def do_data() -> None:
-        results["data_plane"] = data_plane.run(quick=args.quick, clients=[1, 4], progress=progress)
+        results["data_plane"] = data_plane.run(quick=quick, smoke=smoke, clients=clients,
+                                               progress=progress)  # fmt: skip
 
     def do_control() -> None:
-        r = control_plane.run(quick=args.quick, lmcache=not args.no_lmcache,
+        r = control_plane.run(quick=quick, smoke=smoke, lmcache=not args.no_lmcache,
                               lmcache_py=args.lmcache_python, progress=progress)  # fmt: skip
         results["control_plane_rows"] = control_plane.rows(r)
         results["control_plane_notes"] = r["notes"]
 
     def do_faults() -> None:
         try:
-            results["faults"] = run_fault_detection(args.quick, progress, out)
+            results["faults"] = run_fault_detection(size_of(args), progress, out)
         finally:
             progress.step("fault detection")
 
     def do_memory() -> None:
-        results["memory"] = memory.run(quick=args.quick, soak_seconds=args.soak_seconds,
+        results["memory"] = memory.run(quick=quick, smoke=smoke, soak_seconds=args.soak_seconds,
                                        progress=progress)  # fmt: skip
 
     def do_gpu() -> None:
@@ -443,23 +466,34 @@ def main() -> int:
             results["gpu"] = {"skipped": gpu_why, "rows": []}
             progress.step("gpu (skipped)")
             return
-        results["gpu"] = gpu.run(quick=args.quick, progress=progress)
+        results["gpu"] = gpu.run(quick=quick, smoke=smoke, progress=progress)
 
     def do_profile() -> None:
+        ok, why = profile_server.can_profile()
+        if not ok:
+            progress.log(why)
+            results["profiles_skipped"] = why
+            return
         todo: list[dict[str, Any]] = []
-        secs = 4.0 if args.quick else 8.0
-        if "data_plane" in results and not data_goals(results["data_plane"])["met"]:
+        secs = 1.0 if smoke else 4.0 if quick else 8.0
+        if smoke:  # one short profile and the Lookup ladder, whatever the goals say
+            todo.append(dict(mode="lookup", concurrency=2, store_bytes=64 << 20))
+            progress.add(1)
+            results["lookup_cost"] = lookup_cost.run(seconds=0.3, rounds=1, concurrency=2,
+                                                     progress=progress)  # fmt: skip
+        elif "data_plane" in results and not data_goals(results["data_plane"])["met"]:
             todo += [dict(mode="store", chunk_blocks=16, batch=16),
                      dict(mode="retrieve", chunk_blocks=16, batch=16),
                      dict(mode="store", chunk_blocks=1, batch=1)]  # fmt: skip
         if (
-            "control_plane_rows" in results
+            not smoke
+            and "control_plane_rows" in results
             and not control_goals(results["control_plane_rows"])["p50_met"]
         ):
             todo.append(dict(mode="lookup", concurrency=8))
             progress.add(1)
             results["lookup_cost"] = lookup_cost.run(
-                seconds=2.0 if args.quick else 4.0, rounds=1 if args.quick else 2, progress=progress
+                seconds=2.0 if quick else 4.0, rounds=1 if quick else 2, progress=progress
             )
         progress.add(len(todo))
         results["profiles"] = []
@@ -482,7 +516,11 @@ def main() -> int:
     print(text)
     print(f"\nwritten: {out / 'results.md'}, results.json, {', '.join(made) or 'no plots'}",
           file=sys.stderr)  # fmt: skip
-    return 1 if results["errors"] else 0
+    if results["errors"]:
+        print(f"benchmarks.run: FAILED section(s): {', '.join(results['errors'])}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
 
 
 def _json_default(x: Any) -> Any:
