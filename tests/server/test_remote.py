@@ -21,18 +21,18 @@ import redis
 import redis.asyncio as aredis
 import torch
 from certs import make_ca, make_cert
-from conftest import SERVING, ServerThread, fill_random, health_status, make_cache
 from prometheus_client import generate_latest
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis_servers import RedisCluster, RedisServer, free_port, require_redis
+from support import SERVING, ServerThread, fill_random, health_status, make_cache
 
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.server import failpoints
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.tiers import redis as remote_module
 from kvsvc.server.tiers.redis import CLOSED, OPEN, RemoteTier, Resolver, redis_key
+from kvsvc.server.tiers.redis import fetch as remote_module
 
 pytestmark = pytest.mark.slow  # starts redis-server and kvsvc servers
 

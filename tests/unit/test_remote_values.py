@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import pytest
 
 from kvsvc.server.config import (
@@ -25,7 +26,9 @@ from kvsvc.server.tiers.redis import (
     OTHER_LAYOUT,
     Breaker,
     Rejected,
+    Staging,
     encode,
+    header_bytes,
     load_into,
     parse_head,
     redis_key,
@@ -62,6 +65,26 @@ def test_values_round_trip_whole_and_split(size: int, parts: int) -> None:
     assert all(len(bytes(v)) <= MiB for _, v in split)  # type: ignore[arg-type]
     assert [k for k, _ in split[1:]] == [rkey + b":%d" % i for i in range(1, len(split))]
     assert decode(split, "fp1") == data
+
+
+def test_a_staged_first_value_is_the_header_and_the_bytes_sized_by_header_bytes() -> None:
+    """The writer sizes its staging buffer with header_bytes: a chunk that fits in
+    one part is exactly that header and its bytes, and staged it is the same value
+    as built alone."""
+    data = bytes(range(256)) * 40 + b"tail"
+    digests = digests_of(data)
+    rkey = redis_key("kvsvc", "llama", "fp1", b"key")
+    ((_, alone),) = encode(rkey, "fp1", memoryview(data), digests, MiB)
+    need = header_bytes("fp1", len(digests)) + len(data)
+    assert len(alone) == need
+    stage = Staging()
+    stage.reset(need)
+    addr = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    ((_, staged),) = encode(rkey, "fp1", memoryview(data), digests, MiB, stage, addr)
+    assert bytes(staged) == alone
+    assert decode([(rkey, staged)], "fp1") == data
+    with pytest.raises(ValueError):  # full: a second chunk needs a reset first
+        encode(rkey, "fp1", memoryview(data), digests, MiB, stage, addr)
 
 
 def test_a_value_is_refused_for_what_it_is() -> None:

@@ -1,0 +1,265 @@
+"""How the tier talks to Redis: the clients (sync for values on threads, asyncio
+for Lookup on the loop) made from --remote's URL, TLS files and password, and the
+gate every exchange passes (DNS, breaker, how many already wait), which turns a
+failure into a counted miss. ``Connections`` is the base the tier's parts
+(lookup, fetch, writer) build on; it holds the counters kvsvc.server.metrics reads.
+
+Redis is never part of the contract: every call has socket timeouts and no
+retries, and a failure is a miss and a counter, never an error, a hang or a
+health change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import Encoder, PythonRespSerializer
+from redis.retry import Retry
+
+from kvsvc.server.config import (
+    REMOTE_BREAKER_FAILURES,
+    REMOTE_BREAKER_OPEN_S,
+    REMOTE_FETCHERS,
+    REMOTE_MALLOC_KEEP_BYTES,
+    REMOTE_SOCKET_READ_BYTES,
+    REMOTE_WRITERS,
+    ServerConfig,
+    redact_url,
+    remote_password,
+)
+from kvsvc.server.data.store import ChunkStore
+from kvsvc.server.tiers.redis.health import (
+    BREAKER_OPEN,
+    BUSY,
+    CONNECTION,
+    DNS,
+    TIMEOUT,
+    Breaker,
+    Resolver,
+    Skipped,
+    error_kind,
+    warn,
+)
+
+
+def value_connection_settings() -> dict[str, Any]:
+    """What connections that carry values change in redis-py's defaults (the
+    benchmark's like-for-like raw client uses them too): read REMOTE_SOCKET_READ_BYTES
+    at once, and pack commands with redis-py's Python packer, which sends a large
+    value as the buffer it is, where the hiredis packer (the default with hiredis)
+    copies every argument into one new bytes object, holding the GIL."""
+    return {
+        "socket_read_size": REMOTE_SOCKET_READ_BYTES,
+        "command_packer": PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode),
+    }
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def reuse_freed_memory() -> bool:
+    """Have glibc's malloc serve large blocks from its heaps and keep up to
+    REMOTE_MALLOC_KEEP_BYTES freed at the top of each: every value read from
+    Redis is a new bytes object (hiredis makes it), and above malloc's mmap
+    threshold (32 MiB at most) each came from a fresh mmap whose pages faulted
+    in 4 KiB at a time, then went back to the kernel on free: half the reader
+    thread's CPU for 32 MiB values (docs/benchmarks.md section 7). Process-wide
+    and only where glibc is the C library; returns whether it was set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its defaults stay
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, REMOTE_MALLOC_KEEP_BYTES)
+    )
+
+
+class Connections:
+    """The tier's settings, clients, gate and counters. Public counters are read
+    by kvsvc.server.metrics (RemoteStats)."""
+
+    def __init__(
+        self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.url = config.remote
+        self.where = redact_url(config.remote)
+        self.prefix = config.remote_prefix
+        self.timeout = config.remote_timeout
+        self.lookup_budget = config.remote_lookup_budget
+        self.ttl = config.remote_ttl
+        self.part_bytes = config.remote_value_bytes
+        self.store = store
+        self.loop = loop
+        self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
+        self.resolver = Resolver(config.remote, config.remote_timeout)
+        self.cluster = "+cluster" in config.remote.split("://", 1)[0]
+        self.tls_ca, self.tls_cert, self.tls_key = (
+            config.remote_tls_ca,
+            config.remote_tls_cert,
+            config.remote_tls_key,
+        )
+        self._password = remote_password(config)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._aclient: Any = None  # used on the loop only
+        # counters (kvsvc.server.metrics reads them; updated under _stats_lock off the loop)
+        self._stats_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.writes = 0
+        self.dropped_writes = 0
+        self.errors: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self._closed = False
+
+    # --- clients ---
+    def _redis(self) -> Any:
+        """The client, made on first use (a Redis Cluster client asks the cluster
+        for its slots when made, which fails while the cluster is down)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _settings(self) -> tuple[str, dict[str, Any]]:
+        """The URL redis-py parses and the settings of every connection, sync and
+        asyncio alike: explicit timeouts, no health-check pings (no retries is
+        set by each maker, as the two clients take different Retry classes)."""
+        scheme, rest = self.url.split("://", 1)
+        settings: dict[str, Any] = {
+            "password": self._password,
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            "health_check_interval": 0,
+        }
+        if scheme.startswith("rediss"):  # certificates and host name always verified
+            settings["ssl_cert_reqs"] = "required"
+            for name, path in (
+                ("ssl_ca_certs", self.tls_ca),
+                ("ssl_certfile", self.tls_cert),
+                ("ssl_keyfile", self.tls_key),
+            ):
+                if path:
+                    settings[name] = path
+        return scheme.replace("+cluster", "") + "://" + rest, settings
+
+    def _make_client(self) -> Any:
+        """The sync client, which carries values: value_connection_settings
+        (docs/benchmarks.md section 7 measured them)."""
+        url, settings = self._settings()
+        value_settings = value_connection_settings()
+        no_retry = Retry(NoBackoff(), 0)
+        if self.cluster:  # RedisCluster takes no packer (it drops unknown settings)
+            read = value_settings["socket_read_size"]
+            return RedisCluster.from_url(url, retry=no_retry, socket_read_size=read, **settings)
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=REMOTE_FETCHERS + REMOTE_WRITERS + 2,
+            timeout=self.timeout,
+            retry=no_retry,
+            **value_settings,
+            **settings,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _aredis(self) -> Any:
+        """The asyncio client for Lookup, on the loop, made on first use."""
+        if self._aclient is None:
+            url, settings = self._settings()
+            no_retry = AsyncRetry(NoBackoff(), 0)
+            if self.cluster:
+                self._aclient = aredis.RedisCluster.from_url(url, retry=no_retry, **settings)
+            else:
+                pool = aredis.ConnectionPool.from_url(
+                    url, max_connections=REMOTE_FETCHERS, retry=no_retry, **settings
+                )
+                self._aclient = aredis.Redis(connection_pool=pool)
+        return self._aclient
+
+    def _close_client(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._client is not None:
+                self._client.close()
+
+    # --- the gate ---
+    def _refused(self) -> str | None:
+        """Why no call may go to Redis now (counted), or None."""
+        if not self.resolver.usable():
+            self._count(self.errors, DNS)
+            return DNS
+        if self._closed or not self.breaker.allow():
+            self._count(self.errors, BREAKER_OPEN)
+            return BREAKER_OPEN
+        return None
+
+    def _turned_away(self, busy: int) -> bool:
+        """Refused (and counted) before it takes a thread or task: the name does not
+        resolve, the breaker is open, or ``busy`` exchanges already wait on Redis."""
+        resolved = self.resolver.usable()
+        if not resolved or self.breaker.blocked():
+            self._count(self.errors, BREAKER_OPEN if resolved else DNS)
+            return True
+        if busy >= REMOTE_FETCHERS:
+            self._count(self.errors, BUSY)
+            return True
+        return False
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run one Redis exchange under the breaker; raise only Skipped."""
+        refused = self._refused()
+        if refused:
+            raise Skipped(refused)
+        try:
+            result = fn(self._redis())
+        except Exception as exc:  # a Redis failure is a miss, counted
+            self._count_error(exc)
+            if self.cluster and error_kind(exc) in (CONNECTION, TIMEOUT):
+                with self._client_lock:  # it may hold a stale slot table: make a new one
+                    stale, self._client = self._client, None
+                if stale is not None:
+                    with contextlib.suppress(Exception):
+                        stale.close()
+            self.breaker.failure()
+            warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+            raise Skipped(error_kind(exc)) from exc
+        self.breaker.success()
+        return result
+
+    def _failed(self, exc: BaseException) -> None:
+        """A failed exchange on the loop: counted, fed to the breaker, logged (rate-limited)."""
+        self._count_error(exc)
+        self.breaker.failure()
+        warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+
+    # --- counters ---
+    def _count_error(self, exc: BaseException) -> None:
+        self._count(self.errors, error_kind(exc))
+
+    def _count(self, table: dict[str, int], kind: str) -> None:
+        with self._stats_lock:
+            table[kind] = table.get(kind, 0) + 1
+
+    def _add(self, **counts: int) -> None:
+        """Add to counters that several threads update (metrics and tests read them)."""
+        with self._stats_lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    @property
+    def breaker_state(self) -> int:
+        return self.breaker.state

@@ -1,0 +1,65 @@
+"""RemoteTier, what the servicer calls: its parts (Lookup's EXISTS, Retrieve's
+fetch, the write-behind) put together, and its life (start-up's credential
+check, close)."""
+
+from __future__ import annotations
+
+import ssl
+
+from kvsvc.server.config import ConfigError
+from kvsvc.server.tiers.redis.connection import reuse_freed_memory
+from kvsvc.server.tiers.redis.fetch import Fetches
+from kvsvc.server.tiers.redis.health import AUTH, Unresolved, caused_by, error_kind, log
+from kvsvc.server.tiers.redis.lookup import Lookups
+from kvsvc.server.tiers.redis.writer import WriteBehind
+
+
+class RemoteTier(Lookups, Fetches, WriteBehind):
+    """One per server: ``present`` (Lookup), ``fetch`` (Retrieve), ``write_behind``
+    (after a Store). Public counters are read by kvsvc.server.metrics (RemoteStats)."""
+
+    def start(self) -> None:
+        """Check the credentials once: refused ones are a ConfigError (they will not
+        heal by themselves); an unreachable Redis is only a warning (the breaker
+        and the misses handle it until it answers), and so is a host name that does
+        not resolve within --remote-timeout (start-up never waits on DNS longer)."""
+        if not reuse_freed_memory():
+            log.info("remote tier: malloc keeps its defaults (not glibc, or mallopt refused)")
+        try:
+            if not self.resolver.first():
+                raise Unresolved(f"{self.resolver.host} does not resolve (yet)")
+            self._redis().ping()
+            self.breaker.success()
+            log.info("remote tier: Redis at %s answers", self.where)
+        except Exception as exc:  # noqa: BLE001 - any failure here is judged below
+            if error_kind(exc) == AUTH:
+                raise ConfigError(
+                    f"--remote {self.where}: Redis refused the credentials "
+                    f"(--remote-password-file, the URL's user name): {exc}"
+                ) from None
+            if caused_by(exc, ssl.SSLCertVerificationError):  # will not heal
+                raise ConfigError(
+                    f"--remote {self.where}: Redis' TLS certificate did not verify "
+                    f"(--remote-tls-ca, the host name in the URL): {exc.__context__ or exc}"
+                ) from None
+            log.warning(
+                "remote tier: Redis at %s does not answer at start-up (%s: %s); serving "
+                "from the local store, remote reads are misses until it answers",
+                self.where,
+                type(exc).__name__,
+                exc,
+            )
+            self._count_error(exc)
+        self._start_writers()
+
+    def close(self) -> None:
+        """Stop the writers (queued writes are dropped and counted) and the readers."""
+        self._closed = True
+        self._stop_writers()
+        self._stop_fetchers()
+        self._close_client()
+
+    async def aclose(self) -> None:
+        """close(), and the loop's connections (Lookup's), within --remote-timeout."""
+        self.close()
+        await self._close_lookups()
