@@ -74,16 +74,18 @@ def asyncio_function(fn: Callable[..., Any]) -> bool:
 
 
 def patch_server(out: str) -> None:
-    from kvsvc.server import servicer as server
+    from kvsvc.server import session as sessions
+    from kvsvc.server import transfers
     from kvsvc.server.data import copies, transfer
+    from kvsvc.server.servicer import KVCacheServicer as servicer
 
-    servicer = server.KVCacheServicer
-    _wrap(servicer, "_session_request", "server: request task starts", "server: request done")
-    _wrap(servicer, "_sides", "server: Store/Retrieve handler starts", "server: _sides done")
-    _wrap(servicer, "_transfer", "server: _transfer starts", "server: _transfer done")
+    handlers = transfers.Transfers
+    _wrap(sessions.Sessions, "_request", "server: request task starts", "server: request done")
+    _wrap(handlers, "_sides", "server: Store/Retrieve handler starts", "server: _sides done")
+    _wrap(handlers, "_transfer", "server: _transfer starts", "server: _transfer done")
     _wrap(transfer.TransferEngine, "run", "engine: run starts", "engine: run returns")
     _wrap(copies.NativeCopy, "copy", "copy: native call starts", "copy: native call ends")
-    tasks = server.tasks
+    tasks = transfers.tasks
 
     def staged_tasks(*a: Any) -> list[Callable[[], Any]]:
         def timed(task: Callable[[], Any]) -> Callable[[], Any]:
@@ -98,7 +100,7 @@ def patch_server(out: str) -> None:
 
         return [timed(t) for t in tasks(*a)]
 
-    server.tasks = staged_tasks  # type: ignore[assignment]
+    transfers.tasks = staged_tasks  # type: ignore[assignment]
     session = servicer.Session
 
     class StagedContext:

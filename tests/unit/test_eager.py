@@ -1,7 +1,7 @@
-"""kvsvc.server.servicer.eager: a Session request that never waits is answered in the
+"""kvsvc.server.eager.eager: a Session request that never waits is answered in the
 reader's own step; one that waits goes on in a task exactly as if it had been a
 task from the start (its context, its cancellation, its errors). The wrapper's
-deadline (``_Within``) keeps to the same rules, and bounds what waits."""
+deadline (``Within``) keeps to the same rules, and bounds what waits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvsvc.server.servicer import _Within, eager
+from kvsvc.server.eager import Within, eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="outer")
 
@@ -146,7 +146,7 @@ def test_within_a_coroutine_that_never_waits_makes_no_task() -> None:
             made.append(len(asyncio.all_tasks()))
             return await no_wait()
 
-        value = await _Within(no_wait_counting(), time.monotonic() + 10)
+        value = await Within(no_wait_counting(), time.monotonic() + 10)
         assert made == [before] and VAR.get() == "outer"  # its context was its own
         return value
 
@@ -157,7 +157,7 @@ def test_within_one_that_waits_goes_on_in_its_own_context() -> None:
     async def go() -> list[str]:
         gate, trace = asyncio.Event(), []
         asyncio.get_running_loop().call_later(0.01, gate.set)
-        assert await _Within(waits(gate, trace), time.monotonic() + 10) == "done"
+        assert await Within(waits(gate, trace), time.monotonic() + 10) == "done"
         assert VAR.get() == "outer"
         return trace
 
@@ -179,7 +179,7 @@ def test_within_one_that_waits_past_the_deadline_is_cancelled_where_it_waits(
             return await waits(gate, trace)
 
         with pytest.raises(asyncio.TimeoutError):
-            await _Within(coro(), time.monotonic() + 0.05)
+            await Within(coro(), time.monotonic() + 0.05)
         return trace
 
     assert asyncio.run(go()) == ["first step", "finally"]
@@ -190,7 +190,7 @@ def test_within_cancelling_the_caller_cancels_the_coroutine_where_it_waits() -> 
         gate, trace = asyncio.Event(), []
 
         async def caller() -> object:
-            return await _Within(waits(gate, trace), time.monotonic() + 10)
+            return await Within(waits(gate, trace), time.monotonic() + 10)
 
         task = asyncio.get_running_loop().create_task(caller())
         await asyncio.sleep(0.01)
@@ -206,7 +206,7 @@ def test_within_no_time_left_is_a_timeout_before_the_first_step() -> None:
     async def go() -> list[str]:
         gate, trace = asyncio.Event(), []
         with pytest.raises(asyncio.TimeoutError):
-            await _Within(waits(gate, trace), time.monotonic() - 1)
+            await Within(waits(gate, trace), time.monotonic() - 1)
         return trace
 
     assert asyncio.run(go()) == []

@@ -1,0 +1,348 @@
+"""Store, Retrieve and Fence: the RPCs that move bytes. A handler checks the
+chunks, picks each one's engine side (kvsvc.server.data.copies), reserves or pins
+them in the store and hands the copy to the transfer engine
+(kvsvc.server.data.transfer), which verifies every chunk as it copies; Fence
+proves that copies have ended. Missing keys of a Retrieve come from the Redis
+tier, streamed into the engine's side as they arrive."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvsvc.errors import NOT_STARTED, UNKNOWN, DeadlineExceeded, InvalidRequest, KVServiceError
+from kvsvc.server import failpoints
+from kvsvc.server.checks import check_keys, check_namespace, oneof, quota_exceeded
+from kvsvc.server.config import ServerConfig
+from kvsvc.server.data.copies import Blocks, Digest, Inline, Piece, Side, segment_count, tasks
+from kvsvc.server.data.store import INLINE_LAYOUT, Chunk, ChunkStore
+from kvsvc.server.data.transfer import Stream, TransferEngine, reply_budget
+from kvsvc.server.mappings import Mapper
+from kvsvc.server.metrics import Metrics
+from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.tiers.redis import RemoteTier
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+log = logging.getLogger(LOGGER)
+
+
+class Transfers:
+    """The transfer RPCs' handlers (each method named for an RPC is its handler,
+    called through the servicer's wrapper) and the tenant quota that admits a
+    transfer."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ChunkStore,
+        engine: TransferEngine,
+        remote: RemoteTier | None,
+        mapper: Mapper,
+        metrics: Metrics,
+        start_id: str,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.remote = remote
+        self.mapper = mapper
+        self.metrics = metrics
+        self.start_id = start_id
+
+    def admit(self, call: Call) -> None:
+        """A transfer within its tenant's quota (kvsvc.server.auth.Quota), else
+        RESOURCE_EXHAUSTED before anything is reserved; keeps the store's view of
+        the tenant's share current (a reloaded tenant file takes effect here)."""
+        tenant = call.tenant
+        quota = tenant.quota
+        if quota.store_share < 1:
+            self.store.shares[tenant.name] = int(self.store.capacity * quota.store_share)
+        else:
+            self.store.shares.pop(tenant.name, None)
+        if quota.max_inflight:
+            prefix = tenant.scoped("")
+            running = sum(1 for tid in self.engine.inflight if tid.startswith(prefix))
+            if running >= quota.max_inflight:
+                raise quota_exceeded(tenant, "max_inflight", running, quota.max_inflight)
+
+    def _sides(
+        self, request: Any, group: str, call: Call
+    ) -> tuple[str, str, str, list[tuple[bytes, Side]]]:
+        """(namespace, layout, mapping id, [(key, engine side)]) of a Store's source or
+        a Retrieve's target: the one place that tells blocks from inline bytes."""
+        if oneof(request, group) == "blocks":  # the same BlockChunks in both
+            blocks = request.blocks
+            mapping = self.mapper.get(blocks.mapping_id, call)
+            sides: list[tuple[bytes, Side]] = [
+                (c.key, Blocks(mapping, list(c.block_ids), i)) for i, c in enumerate(blocks.chunks)
+            ]
+            check_keys([k for k, _ in sides])
+            return mapping.namespace, mapping.fingerprint, mapping.mapping_id, sides
+        inline = request.inline
+        namespace = check_namespace(inline.namespace, call)
+        if group == "source":
+            sides = [(c.key, Inline(c.data)) for c in inline.chunks]
+        else:
+            sides = [(key, Inline()) for key in inline.keys]
+        check_keys([k for k, _ in sides])
+        return namespace, INLINE_LAYOUT, "", sides
+
+    async def Store(self, request: pb.StoreRequest, call: Call) -> pb.StoreResponse:
+        namespace, layout, mapping_id, sides = self._sides(request, "source", call)
+        if failpoints.ENABLED:
+            failpoints.hit("store.put")
+        present = 0
+        wanted: dict[bytes, Side] = {}  # the first of equal keys wins
+        for key, side in sides:
+            if key in wanted or self.store.get(namespace, key, layout) is not None:
+                present += 1
+            else:
+                wanted[key] = side
+        # All or none: a request that cannot be placed evicts nothing.
+        reserved, evicted = (
+            self.store.reserve(
+                namespace, [(k, s.nbytes) for k, s in wanted.items()], layout, call.tenant.name
+            )
+            if wanted
+            else ([], 0)
+        )
+        todo = list(zip(reserved, wanted.values(), strict=True))
+        stored = 0
+
+        def finalize(results: list[list[Digest]] | None, error: BaseException | None) -> None:
+            nonlocal stored
+            if results is None:
+                for chunk, _ in todo:
+                    self.store.abort(chunk)
+                return
+            digests: list[list[int]] = [[0] * segment_count(c.size) for c, _ in todo]
+            for ci, si, digest in (d for group in results for d in group):
+                digests[ci][si] = digest
+            committed = [
+                chunk
+                for (chunk, _), chunk_digests in zip(todo, digests, strict=True)
+                if self.store.commit(chunk, chunk_digests)
+            ]
+            stored += len(committed)
+            if self.remote is not None and committed:
+                self.remote.write_behind(namespace, layout, committed)
+
+        if todo:
+            pieces = [
+                piece
+                for ci, (chunk, side) in enumerate(todo)
+                for piece in side.pieces(self.store.buffer(chunk), ci, to_store=True)
+            ]
+            nbytes = sum(c.size for c, _ in todo)
+            loop_safe = all(side.loop_safe for _, side in todo)
+            await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
+        if evicted:  # every Store of a full cache evicts: the reply and metrics count it
+            log.debug("store %s evicted %d chunks to make room", call.request_id, evicted)
+        response = pb.StoreResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.stored_chunks = stored
+        result.present_chunks = present + len(todo) - stored
+        result.evicted_chunks = evicted
+        result.stored_bytes = sum(c.size for c, _ in todo)
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
+        return response
+
+    async def _transfer(
+        self,
+        call: Call,
+        direction: str,
+        mapping_id: str,
+        nbytes: int,
+        pieces: list[Piece],
+        finalize: Callable[[list[list[Digest]] | None, BaseException | None], None],
+        loop_safe: bool,
+    ) -> list[list[Digest]]:
+        """Run the pieces of one copy on the transfer engine (``loop_safe``: see
+        TransferEngine.run)."""
+        call.started = True
+        t0 = time.perf_counter()
+        try:
+            result = await self.engine.run(
+                call.key,
+                mapping_id,
+                nbytes,
+                call.deadline,
+                tasks(pieces, nbytes, self.config.transfer_threads),
+                finalize,
+                loop_safe=loop_safe,
+            )
+        except KVServiceError as exc:
+            if exc.transfer_state == NOT_STARTED:
+                call.started = False
+            raise
+        self.metrics.observe_transfer(direction, nbytes, time.perf_counter() - t0)
+        return result
+
+    async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResponse:
+        namespace, layout, mapping_id, sides = self._sides(request, "target", call)
+        keys = [k for k, _ in sides]
+        chunks = self.store.acquire_prefix(namespace, keys, layout)
+        if self.remote is not None and len(chunks) < len(keys):
+            return await self._retrieve_remote(call, namespace, layout, mapping_id, sides, chunks)
+        try:
+            for ci, chunk in enumerate(chunks):
+                sides[ci][1].check(chunk.size, ci)
+        except BaseException:
+            self.store.release(chunks)
+            raise
+        response = pb.RetrieveResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
+        if not chunks:
+            return response
+        pieces = [
+            piece
+            for ci, chunk in enumerate(chunks)
+            for piece in sides[ci][1].pieces(self.store.buffer(chunk), ci, to_store=False)
+        ]
+        nbytes = sum(c.size for c in chunks)
+        await self._transfer(
+            call,
+            "retrieve",
+            mapping_id,
+            nbytes,
+            pieces,
+            lambda results, error: self.store.release(chunks),
+            all(side.loop_safe for _, side in sides[: len(chunks)]),
+        )
+        result.loaded_chunks = len(chunks)
+        result.loaded_bytes = nbytes
+        for (key, side), _ in zip(sides, chunks, strict=False):
+            if isinstance(side, Inline):
+                result.chunks.add(key=key, data=bytes(side.out))
+        return response
+
+    async def _retrieve_remote(
+        self,
+        call: Call,
+        namespace: str,
+        layout: str,
+        mapping_id: str,
+        sides: list[tuple[bytes, Side]],
+        chunks: list[Chunk],
+    ) -> pb.RetrieveResponse:
+        """A Retrieve with keys missing here: they come from Redis into the store by
+        groups (a miss if not), and the copy of each committed group into the
+        engine's side starts at once, in key order, while later groups are read (one
+        streamed transfer under the call's id: Fence waits for all of it); the local
+        prefix is copied meanwhile. The reply counts the parts that were copied: a
+        prefix, since a part that cannot start (the deadline) ends it."""
+        assert self.remote is not None
+        keys = [k for k, _ in sides]
+        stream: Stream | None = None
+        loaded: list[Chunk] = []  # handed to the stream, in key order
+        failure: BaseException | None = None  # raised once no part runs
+        over = False  # no more parts: refused, failed, or the call ended
+        t0 = time.perf_counter()
+
+        def extend() -> None:
+            """On the loop: copy the chunks committed since the last part."""
+            nonlocal stream, failure, over
+            if over:
+                return
+            part = self.store.acquire_prefix(namespace, keys[len(loaded) :], layout)
+            if not part:
+                return
+            try:
+                for i, chunk in enumerate(part, len(loaded)):
+                    sides[i][1].check(chunk.size, i)
+                pieces = [
+                    piece
+                    for i, chunk in enumerate(part, len(loaded))
+                    for piece in sides[i][1].pieces(self.store.buffer(chunk), i, to_store=False)
+                ]
+            except Exception as exc:  # noqa: BLE001 - raised by the handler, after the copies
+                self.store.release(part)
+                failure, over = exc, True
+                return
+            nbytes = sum(c.size for c in part)
+            todo = tasks(pieces, nbytes, self.config.transfer_threads)
+            done = functools.partial(_release, self.store, part)
+            if stream is None:
+                call.started = True
+                try:
+                    stream = self.engine.stream(
+                        call.key, mapping_id, call.deadline, nbytes, todo, done
+                    )
+                except Exception as exc:  # noqa: BLE001 - raised by the handler
+                    call.started = getattr(exc, "transfer_state", None) != NOT_STARTED
+                    failure, over = exc, True
+                    return
+            elif not stream.add(nbytes, todo, done):
+                over = True
+                return
+            loaded.extend(part)
+
+        try:
+            self.store.release(chunks)  # extend pins them again, checked
+            extend()
+            if not over:
+                await self.remote.fetch(
+                    namespace,
+                    layout,
+                    keys[len(loaded) :],
+                    reply_budget(call.deadline) / 2,
+                    extend,
+                )
+                extend()  # keys committed meanwhile by others
+        except BaseException:  # cancelled (the deadline, the client): no part starts now
+            over = True
+            if stream is not None:
+                stream.abandon()
+            raise
+        over = True
+        if stream is not None:
+            if failure is not None:
+                stream.fail(failure)
+            await stream.end()
+        elif failure is not None:
+            raise failure
+        response = pb.RetrieveResponse()
+        result = response.result  # filled in place: a result passed in would be copied
+        result.transfer_id = call.request_id
+        result.server_start_id = self.start_id
+        if loaded:
+            nbytes = sum(c.size for c in loaded)
+            self.metrics.observe_transfer("retrieve", nbytes, time.perf_counter() - t0)
+            result.loaded_chunks = len(loaded)
+            result.loaded_bytes = nbytes
+        for key, side in sides[: len(loaded)]:
+            if isinstance(side, Inline):
+                result.chunks.add(key=key, data=bytes(side.out))
+        return response
+
+    async def Fence(self, request: pb.FenceRequest, call: Call) -> pb.FenceResult:
+        owned = self.mapper.mappings.get(request.mapping_id)
+        if request.mapping_id and (owned is None or owned.tenant != call.tenant.name):
+            self.mapper.get(request.mapping_id, call)  # raises MappingLost: not the caller's
+        if not request.mapping_id and not request.transfer_ids:
+            raise InvalidRequest("fence needs a mapping_id or transfer_ids")
+        # A tenant waits on and bars only its own transfer ids.
+        waited, barred, still = await self.engine.fence(
+            request.mapping_id, [call.tenant.scoped(t) for t in request.transfer_ids], call.deadline
+        )
+        if still:
+            raise DeadlineExceeded(
+                f"{len(still)} copies still running at the fence deadline",
+                reason="FENCE_TIMEOUT",
+                metadata={"running": ",".join(still)},
+                transfer_state=UNKNOWN,
+            )
+        return pb.FenceResult(
+            waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
+        )
+
+
+def _release(store: ChunkStore, chunks: list[Chunk], *_: object) -> None:
+    """A part's finalize: its chunks are no longer read."""
+    store.release(chunks)
