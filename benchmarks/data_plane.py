@@ -34,8 +34,8 @@ page faults kvsvc never pays.
 The cold set a Retrieve reads is the stored rounds still all in the store,
 asked of the server (Lookup) rather than assumed: the store's first-fit
 allocator does not move chunks, so after one size of chunk another size packs
-less tightly than capacity / size (measured: a 3 GiB store that held 2 MiB
-chunks then holds 82, not 95, chunks of 32 MiB), and the rounds counted from
+less tightly than capacity / size (driven directly, a 3 GiB store that held
+2 MiB chunks then holds 82, not 95, chunks of 32 MiB), and the rounds counted from
 the capacity were no longer all there.
 
     python -m benchmarks.data_plane [--quick | --smoke] [--threads N] [--clients N ...]
