@@ -1,11 +1,11 @@
 package kvsvc
 
-// The error contract of kvsvc, mirrored from kvsvc/errors.py: one type per
+// The error contract of kvsvc, mirrored from kvsvc/errors/: one type per
 // way a caller reacts. Every error this package returns for a failed call is
 // one of the class types below (each embeds *KVServiceError), and errors.As
 // follows the Python hierarchy: an *UnsupportedRequest is also an
 // *InvalidRequest, a *MappingLost also a *NotFound, and every class is a
-// *KVServiceError. errors_test.go checks these types against errors.py's
+// *KVServiceError. errors_test.go checks these types against kvsvc.errors'
 // reason catalogue (proto/kvsvc/v1/reasons.json).
 
 import (
@@ -89,7 +89,7 @@ func (e *KVServiceError) IsClass(name string) bool {
 	return false
 }
 
-// The classes of errors.py, each declaring only its code and reason.
+// The classes of kvsvc.errors, each declaring only its code and reason.
 type (
 	// InvalidRequest: the caller fixes its input or falls back (recompute).
 	InvalidRequest struct{ *KVServiceError }
@@ -143,7 +143,7 @@ type class struct {
 	wrap      func(*KVServiceError) error
 }
 
-// classOrder is errors.py's declaration order: the first class declared for a code is its default.
+// classOrder is kvsvc.errors' declaration order: the first class declared for a code is its default.
 var classOrder = []string{
 	"InvalidRequest", "UnsupportedRequest", "MalformedRequest", "LayoutMismatch", "NotFound", "Miss",
 	"MappingLost", "CudaUnavailable", "CapacityExhausted", "PermissionDenied", "Unauthenticated",
@@ -195,7 +195,7 @@ func init() {
 	byCode[codes.Unknown] = "RemoteHandlerError"
 }
 
-// Classes lists the class names this client knows, in errors.py's order.
+// Classes lists the class names this client knows, in kvsvc.errors' order.
 func Classes() []string { return append([]string(nil), classOrder...) }
 
 // As lets errors.As find any ancestor class (and *KVServiceError) of e.
@@ -310,7 +310,7 @@ func build(name string, e *KVServiceError) error {
 	return c.wrap(e)
 }
 
-// FromRemoteError is the error for a RemoteError envelope (errors.py's
+// FromRemoteError is the error for a RemoteError envelope (kvsvc.errors'
 // from_remote_error): transfer state UNKNOWN gives TransferUnprovable, else the
 // class named by the envelope's type, else by its reason, else by its code.
 func FromRemoteError(env *pb.RemoteError, method string) error {
@@ -347,7 +347,7 @@ func FromRemoteError(env *pb.RemoteError, method string) error {
 }
 
 // classCode is the code used to pick a class: one this client does not know is
-// UNKNOWN, as in errors.py; CODE_UNSPECIFIED (0) picks none.
+// UNKNOWN, as in kvsvc.errors; CODE_UNSPECIFIED (0) picks none.
 func classCode(c codes.Code) codes.Code {
 	if c > codes.Unauthenticated {
 		return codes.Unknown
@@ -355,7 +355,7 @@ func classCode(c codes.Code) codes.Code {
 	return c
 }
 
-// FromGRPCError maps a transport failure (errors.py's from_grpc_error). With
+// FromGRPCError maps a transport failure (kvsvc.errors' from_grpc_error). With
 // transferStarted, a block transfer whose reply was lost after it may have
 // reached the server becomes TransferUnprovable; with transfer and not
 // started, the error says NOT_STARTED.

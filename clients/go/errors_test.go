@@ -1,6 +1,6 @@
 package kvsvc
 
-// The envelope/transport -> class mapping, mirrored from kvsvc/errors.py.
+// The envelope/transport -> class mapping, mirrored from kvsvc/errors/.
 
 import (
 	"encoding/json"
@@ -217,7 +217,7 @@ func TestUnknownEverythingStillReadable(t *testing.T) {
 		RequestId: "r-9", Retryable: true, TransferState: pb.TransferState(7),
 	}
 	err := FromRemoteError(e, "Lookup")
-	var rh *RemoteHandlerError // an unknown code is UNKNOWN, as in errors.py
+	var rh *RemoteHandlerError // an unknown code is UNKNOWN, as in kvsvc.errors
 	if !errors.As(err, &rh) {
 		t.Fatalf("got %T", err)
 	}
@@ -315,7 +315,7 @@ func TestTimeoutSettingsAreValidated(t *testing.T) {
 	}
 }
 
-// --- the reason catalogue of kvsvc/errors.py (proto/kvsvc/v1/reasons.json) ---
+// --- the reason catalogue of kvsvc/errors/ (proto/kvsvc/v1/reasons.json) ---
 
 type catalogueClass struct {
 	Name        string `json:"name"`
@@ -341,7 +341,7 @@ type reasonCatalogue struct {
 	Reasons            []catalogueReason `json:"reasons"`
 }
 
-// loadCatalogue reads the JSON that scripts/gen_reasons.py makes from kvsvc/errors.py.
+// loadCatalogue reads the JSON that scripts/gen_reasons.py makes from kvsvc/errors/.
 func loadCatalogue(t *testing.T) reasonCatalogue {
 	t.Helper()
 	dir := os.Getenv("KVSVC_PROTO_DIR")
@@ -476,7 +476,7 @@ func TestEveryReasonInTheSourceIsDeclared(t *testing.T) {
 		for _, m := range literal.FindAllStringSubmatch(string(src), -1) {
 			found++
 			if !declared[m[1]] {
-				t.Errorf("%s: reason %s is not in kvsvc/errors.py's catalogue", f, m[1])
+				t.Errorf("%s: reason %s is not in kvsvc/errors/'s catalogue", f, m[1])
 			}
 		}
 	}

@@ -67,7 +67,7 @@ class ServingState(Protocol):
 
 
 class Lease(Protocol):
-    """One copy in flight (kvsvc.server.data.transfer.Transfer)."""
+    """One copy in flight (kvsvc.server.data.ledger.Transfer)."""
 
     @property
     def abandoned(self) -> bool: ...

@@ -1,4 +1,4 @@
-// The class table of kvsvc/errors.py and the two mappings into it.
+// The class table of kvsvc/errors/ and the two mappings into it.
 #include "kvsvc/errors.h"
 
 #include <functional>
@@ -106,7 +106,7 @@ std::string by_code(SC code) {
   return "";
 }
 
-// A code this client does not know picks a class as UNKNOWN, as in errors.py.
+// A code this client does not know picks a class as UNKNOWN, as in kvsvc.errors.
 SC class_code(SC code) {
   return static_cast<int>(code) > static_cast<int>(SC::UNAUTHENTICATED) ? SC::UNKNOWN : code;
 }

@@ -1,4 +1,4 @@
-// The error classes against kvsvc/errors.py's reason catalogue
+// The error classes against kvsvc/errors/'s reason catalogue
 // (proto/kvsvc/v1/reasons.json, made by scripts/gen_reasons.py), and the
 // deadline rules; no server needed.
 #include <gtest/gtest.h>

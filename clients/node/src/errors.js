@@ -1,9 +1,9 @@
 'use strict';
-// The error contract of kvsvc, mirrored from kvsvc/errors.py: one class per
+// The error contract of kvsvc, mirrored from kvsvc/errors/: one class per
 // way a caller reacts, each declaring only its gRPC code and reason. A
 // RemoteError envelope (the `error` arm of every response's `outcome`) and a
 // transport failure both become one of these classes. test/errors.test.js checks
-// these classes against errors.py's reason catalogue (proto/kvsvc/v1/reasons.json).
+// these classes against kvsvc.errors' reason catalogue (proto/kvsvc/v1/reasons.json).
 
 const { status: Status } = require('@grpc/grpc-js');
 
@@ -133,7 +133,7 @@ const DataLoss = define('DataLoss', RemoteHandlerError, 'DATA_LOSS', 'CHECKSUM_M
 /** Device error, dead or stalled transfer worker: the instance stops serving. */
 const FatalServerError = define('FatalServerError', RemoteHandlerError, 'INTERNAL', 'FATAL_SERVER_ERROR');
 
-// errors.py's declaration order: the first class declared for a code is its default.
+// kvsvc.errors' declaration order: the first class declared for a code is its default.
 const CLASSES = [
   InvalidRequest, UnsupportedRequest, MalformedRequest, LayoutMismatch, NotFound, Miss, MappingLost,
   CudaUnavailable, CapacityExhausted, PermissionDenied, Unauthenticated, Unimplemented, DeadlineExceeded, Cancelled, ServiceUnavailable,
@@ -171,7 +171,7 @@ function transferStateName(value) {
 const BY_NAME = new Map(CLASSES.map((c) => [c.name, c]));
 
 /**
- * The error a client raises for a RemoteError envelope (errors.py's from_remote_error):
+ * The error a client raises for a RemoteError envelope (kvsvc.errors' from_remote_error):
  * transfer_state UNKNOWN gives TransferUnprovable, else the class named by the envelope's
  * `type`, else the class of its reason, else of its code, else KVServiceError.
  * @param {object} err the envelope as decoded by proto-loader (or a plain object like it)
@@ -202,7 +202,7 @@ function fromRemoteError(err, context = {}) {
 }
 
 /**
- * Map a transport failure (errors.py's from_grpc_error); a transfer whose reply
+ * Map a transport failure (kvsvc.errors' from_grpc_error); a transfer whose reply
  * was lost after it may have reached the server becomes TransferUnprovable.
  * @param {{code?: number, details?: string, message?: string}} err a grpc-js ServiceError
  * @param {{requestId?: string, method?: string, transferStarted?: boolean, transfer?: boolean}} [context]

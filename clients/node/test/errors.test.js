@@ -1,5 +1,5 @@
 'use strict';
-// The envelope/transport -> class mapping, mirrored from kvsvc/errors.py.
+// The envelope/transport -> class mapping, mirrored from kvsvc/errors/.
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const kv = require('../src');
@@ -80,7 +80,7 @@ test('an unknown reason falls back to the class of the code', () => {
   }
 });
 
-test('the server class named by `type` wins over reason and code, as errors.py', () => {
+test('the server class named by `type` wins over reason and code, as kvsvc.errors', () => {
   // Subclasses raised with reasons of their own keep their class.
   const cases = [
     ['UnsupportedRequest', 'UNSUPPORTED_ENVELOPE_VERSION', 'CODE_INVALID_ARGUMENT', kv.UnsupportedRequest],
@@ -119,7 +119,7 @@ test('unknown codes, reasons and states still give a KVServiceError with every f
     transferState: 7, envelopeVersion: 2,
   }), { method: 'Lookup' });
   assert.ok(e instanceof kv.KVServiceError);
-  assert.equal(e.constructor, kv.RemoteHandlerError); // unknown code -> UNKNOWN, as errors.py
+  assert.equal(e.constructor, kv.RemoteHandlerError); // unknown code -> UNKNOWN, as kvsvc.errors
   assert.equal(e.code, 'UNKNOWN');
   assert.equal(e.codeNumber, 99);
   assert.equal(e.reason, 'BRAND_NEW');
@@ -178,7 +178,7 @@ test('transport failures map by code with a TRANSPORT_ reason, as from_grpc_erro
   assert.equal(refused.transferState, 'NOT_STARTED');
 });
 
-// --- the reason catalogue of kvsvc/errors.py (proto/kvsvc/v1/reasons.json) ---
+// --- the reason catalogue of kvsvc/errors/ (proto/kvsvc/v1/reasons.json) ---
 const fs = require('node:fs');
 const path = require('node:path');
 
@@ -204,7 +204,7 @@ test('the classes are those of the catalogue: same parent, code, reason and retr
   for (const name of mine.keys()) assert.ok(known.has(name), `${name} is not in the catalogue`);
 });
 
-test('an unknown reason falls back to the default class of its code, as errors.py', () => {
+test('an unknown reason falls back to the default class of its code, as kvsvc.errors', () => {
   for (const [code, name] of Object.entries(catalogue.defaultClassByCode)) {
     const e = kv.fromRemoteError(envelope({ type: 'NotAClass', reason: 'NOT_DECLARED', code: `CODE_${code}` }));
     assert.equal(e.constructor.name, name, code);
@@ -249,7 +249,7 @@ test('every reason the client source writes is declared in the catalogue', () =>
     for (const m of fs.readFileSync(path.join(src, file), 'utf8').matchAll(literal)) {
       const reason = m[1] ?? m[2];
       found += 1;
-      assert.ok(declared.has(reason), `${file}: reason ${reason} is not in kvsvc/errors.py's catalogue`);
+      assert.ok(declared.has(reason), `${file}: reason ${reason} is not in kvsvc/errors/'s catalogue`);
     }
   }
   assert.ok(found > 15, `found ${found} reason literals`);

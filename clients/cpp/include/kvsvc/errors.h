@@ -1,4 +1,4 @@
-// The error contract of kvsvc, mirrored from kvsvc/errors.py: one exception
+// The error contract of kvsvc, mirrored from kvsvc/errors/: one exception
 // class per way a caller reacts. Every failed call throws one of the classes
 // below, and the C++ inheritance follows the Python hierarchy: a
 // kvsvc::UnsupportedRequest is also a kvsvc::InvalidRequest, a MappingLost a
@@ -111,7 +111,7 @@ KVSVC_ERROR_CLASS(DataLoss, RemoteHandlerError)
 KVSVC_ERROR_CLASS(FatalServerError, RemoteHandlerError)
 #undef KVSVC_ERROR_CLASS
 
-// One class of the table: errors.py's declaration.
+// One class of the table: kvsvc.errors' declaration.
 struct ErrorClass {
   std::string name;
   std::string parent;  // "" for KVServiceError itself
@@ -120,7 +120,7 @@ struct ErrorClass {
   bool retryable;
 };
 
-// Every class, KVServiceError first, in errors.py's declaration order.
+// Every class, KVServiceError first, in kvsvc.errors' declaration order.
 const std::vector<ErrorClass>& error_classes();
 
 // Whether e is (a subclass of) the named class, by C++ type (dynamic_cast).
@@ -129,12 +129,12 @@ bool is_instance(const KVServiceError& e, const std::string& class_name);
 // The canonical UPPER_SNAKE name of a gRPC code ("DEADLINE_EXCEEDED").
 std::string code_name(grpc::StatusCode code);
 
-// errors.py's from_remote_error: transfer state UNKNOWN gives
+// kvsvc.errors' from_remote_error: transfer state UNKNOWN gives
 // TransferUnprovable, else the class named by the envelope's type, else by
 // its reason, else the default class of its code.
 ErrorInfo from_remote_error(const v1::RemoteError& env, const std::string& method);
 
-// errors.py's from_grpc_error: with transfer_started, a block transfer whose
+// kvsvc.errors' from_grpc_error: with transfer_started, a block transfer whose
 // reply was lost after it may have reached the server is TransferUnprovable.
 ErrorInfo from_status(const grpc::Status& status, const std::string& request_id,
                       const std::string& method, bool transfer, bool transfer_started);
