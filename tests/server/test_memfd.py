@@ -255,7 +255,7 @@ def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
 
 OWNER = """
 import os, sys
-from kvsvc import fdpass
+from kvsvc.client import fdpass
 fd = fdpass.make_sealed_memfd("owned", 4096)
 os.pwrite(fd, bytes(range(256)) * 16, 0)
 print(fdpass.send_fd(sys.argv[1], fd), flush=True)
@@ -296,7 +296,7 @@ def test_a_memfd_mapping_is_released_once_its_owner_exits(server, client, shm_di
 # --- the fd socket under a misbehaving local process (issue 12, defect 8) ---
 PASSER = """
 import os, sys
-from kvsvc import fdpass
+from kvsvc.client import fdpass
 fd = fdpass.make_sealed_memfd("other", 4096)
 print(fdpass.send_fd(sys.argv[1], fd, 20), flush=True)
 """
