@@ -47,3 +47,28 @@ def test_public_imports_users_write_keep_working() -> None:
 
     assert kvsvc.Client is KVCacheClient and kvsvc.AsyncClient is AsyncKVCacheClient
     assert kvsvc.TransferUnprovable is errors.TransferUnprovable
+
+
+def test_the_architecture_doc_names_every_module_of_the_tree() -> None:
+    """docs/architecture.md gives each package a paragraph naming its modules: a
+    module added, moved or renamed without the doc fails here."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    paragraphs = {
+        m.group(1).rstrip("/"): m.group(2)
+        for m in re.finditer(r"\*\*`(kvsvc/[\w/]*)`[^*]*\*\*(.*?)(?=\n\n)", doc, re.S)
+    }
+    package = REPO / "kvsvc"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if "v1" in rel.parts or path.name in ("__init__.py", "__main__.py"):
+            continue
+        home = "/".join(rel.parts[:-1])
+        # a module is named in its package's paragraph, or a subpackage's in its parent's
+        named = f"`{path.stem}`" in paragraphs.get(home, "") or any(
+            f"`{rel.parts[-2]}/`" in text and f"`{path.stem}`" in text
+            for text in paragraphs.values()
+        )
+        if not named:
+            missing.append(str(rel))
+    assert missing == [], "modules docs/architecture.md does not name"
