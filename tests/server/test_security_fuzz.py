@@ -112,7 +112,7 @@ def message(desc: Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    from tests.conftest import ServerProcess
+    from support import ServerProcess
 
     d: Path = tmp_path_factory.mktemp("fuzz")
     shm = d / "shm"
