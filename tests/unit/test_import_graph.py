@@ -152,3 +152,18 @@ def test_no_hand_written_module_is_longer_than_one_sitting(limit: int) -> None:
         m: n for m, p in hand_written().items() if (n := len(p.read_text().splitlines())) > limit
     }
     assert long == {}, f"modules over {limit} lines: {long}"
+
+
+def test_tests_share_helpers_one_way() -> None:
+    """Shared helpers come from tests/support.py by name: `tests.X` works only under
+    `python -m pytest`, and `conftest` is ambiguous once a layer has its own."""
+    tests = PACKAGE.parent / "tests"
+    wrong = [
+        f"{p.relative_to(tests)}:{n}"
+        for p in tests.rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if line.strip().startswith(
+            ("from tests", "import tests", "from conftest", "import conftest")
+        )
+    ]
+    assert wrong == []
