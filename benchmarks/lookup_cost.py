@@ -81,7 +81,9 @@ async def _serve_kvsvc(rung: str) -> None:
         def observe(self, *args: object) -> None:
             pass
 
-    cfg = ServerConfig(listen="127.0.0.1:0", store_bytes=64 << 20, shm_dir=tempfile.mkdtemp())
+    cfg = ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=64 << 20, shm_dir=tempfile.mkdtemp()
+    )
     server = kv_server.Server(cfg)
     if rung in ("kvsvc-bare", "kvsvc-nometrics"):
         server.servicer.metrics.requests = _NoMetric()

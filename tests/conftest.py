@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,9 @@ def shm_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def config(shm_dir: Path) -> ServerConfig:
-    return ServerConfig(listen="127.0.0.1:0", store_bytes=64 << 20, shm_dir=str(shm_dir))
+    return ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=64 << 20, shm_dir=str(shm_dir)
+    )
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def make_server(config: ServerConfig) -> Iterator:
     started: list[ServerThread] = []
 
     def make(**changes: object) -> ServerThread:
-        st = ServerThread(replace(config, **changes))
+        st = ServerThread(config.replace(**changes))
         started.append(st)
         return st
 

@@ -42,7 +42,9 @@ def embedded_server(shm_dir: str) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    config = ServerConfig(listen="127.0.0.1:0", store_bytes=256 << 20, shm_dir=shm_dir)
+    config = ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=256 << 20, shm_dir=shm_dir
+    )
 
     async def start() -> Server:
         server = Server(config)

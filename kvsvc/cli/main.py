@@ -149,8 +149,10 @@ def _init_auth(path: str) -> int:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Every invalid configuration is one line and exit 2, before anything is made:
-    a bad flag or KVSVC_* value is a usage error; an address that cannot be bound
-    is `kvsvc serve: cannot listen on ...`."""
+    a bad flag or KVSVC_* value, or one this host cannot honour, is a usage error;
+    an address that cannot be bound or a refused security setup is
+    `kvsvc serve: ...`. Only a ConfigError is such a line: what kvsvc.server.config's
+    checks cannot foresee is a bug to see whole, with its traceback."""
     config = config_from_args(args, parser)
     try:
         check_host(config)
@@ -160,18 +162,20 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_listen(config)
         check_security(config)
     except ConfigError as exc:
-        print(f"kvsvc serve: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level, config.log_format)
+        return _refuse(exc)
+    setup_logging(config.observability.log_level, config.observability.log_format)
     try:
         failpoints.load_from_env()  # the only place a failpoint table is installed
     except ValueError as exc:
-        print(f"kvsvc serve: {failpoints.ENV}: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"{failpoints.ENV}: {exc}")
     from kvsvc.server.lifecycle import serve as run_server
 
     try:
         return asyncio.run(run_server(config))
     except ConfigError as exc:  # the port was taken between the check and the bind
-        print(f"kvsvc serve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
+
+
+def _refuse(why: object) -> int:
+    print(f"kvsvc serve: {why}", file=sys.stderr)
+    return 2

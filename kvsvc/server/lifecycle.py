@@ -41,20 +41,21 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.auth: Authenticator | None = None
-        if config.authenticated:
+        if config.security.authenticated:
             try:
                 self.auth = Authenticator(
-                    config.auth_token_file, client_certs=bool(config.tls_client_ca)
+                    config.security.auth_token_file,
+                    client_certs=bool(config.security.tls_client_ca),
                 )
             except TenantFileError as exc:
                 raise ConfigError(f"--auth-token-file: {exc}") from None
         credentials = _server_credentials(config)
         self.health = Health()
-        if config.socket_dir:
+        if config.network.socket_dir:
             try:
-                fdbroker.prepare_socket_dir(config.socket_dir, socket_gid(config))
+                fdbroker.prepare_socket_dir(config.network.socket_dir, socket_gid(config))
             except OSError as exc:
-                raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from None
+                raise ConfigError(f"--socket-dir {config.network.socket_dir}: {exc}") from None
         self.servicer = KVCacheServicer(config, self.health)
         if self.auth is not None:
             self.auth.on_failure = self.servicer.metrics.observe_auth_failure
@@ -70,7 +71,7 @@ class Server:
         # Probes that cannot present credentials: health only, plaintext, its own port.
         self.health_grpc: grpc.aio.Server | None = None
         self.health_address = ""
-        if config.health_listen:
+        if config.network.health_listen:
             self.health_grpc = grpc.aio.server(options=server_options())
             self._add_service(health_service, self.health.servicer, self.health_grpc)
         reflection.enable_server_reflection(
@@ -84,16 +85,16 @@ class Server:
         self.unix = grpc_socket(config)  # engines in other containers reach us here
         try:
             if credentials is None:
-                self.port = self.grpc.add_insecure_port(config.listen)
+                self.port = self.grpc.add_insecure_port(config.network.listen)
             else:
-                self.port = self.grpc.add_secure_port(config.listen, credentials)
-            if self.port == 0 and not config.listen.startswith("unix:"):
+                self.port = self.grpc.add_secure_port(config.network.listen, credentials)
+            if self.port == 0 and not config.network.listen.startswith("unix:"):
                 raise RuntimeError("no address bound")
             if self.health_grpc is not None:
-                health_port = self.health_grpc.add_insecure_port(config.health_listen)
-                if health_port == 0 and not config.health_listen.startswith("unix:"):
+                health_port = self.health_grpc.add_insecure_port(config.network.health_listen)
+                if health_port == 0 and not config.network.health_listen.startswith("unix:"):
                     raise RuntimeError("no health address bound")
-                self.health_address = _bound(config.health_listen, health_port)
+                self.health_address = _bound(config.network.health_listen, health_port)
             if self.unix is not None:
                 self.grpc.add_insecure_port(self.unix)
                 fdbroker.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
@@ -104,19 +105,23 @@ class Server:
             self.servicer.engine.shutdown()
             if self.servicer.remote is not None:
                 self.servicer.remote.close()
+            health = config.network.health_listen
             raise ConfigError(
-                f"cannot listen on {config.listen}{' and ' + self.unix if self.unix else ''}"
-                f"{' and ' + config.health_listen if config.health_listen else ''}: "
+                f"cannot listen on {config.network.listen}"
+                f"{' and ' + self.unix if self.unix else ''}"
+                f"{' and ' + health if health else ''}: "
                 "grpc could not bind it "
                 "(a port in use, a host that does not resolve, a missing directory?)"
             ) from None
-        self.address = _bound(config.listen, self.port)
+        self.address = _bound(config.network.listen, self.port)
 
     def describe_security(self) -> str:
         """What the main port requires and what it trusts, for the start-up log."""
         c = self.config
-        parts = [("mTLS" if c.tls_client_ca else "TLS") if c.tls_cert else "plaintext"]
-        if self.auth is not None and c.auth_token_file:
+        parts = [
+            ("mTLS" if c.security.tls_client_ca else "TLS") if c.security.tls_cert else "plaintext"
+        ]
+        if self.auth is not None and c.security.auth_token_file:
             parts.append(f"bearer tokens of {len(self.auth.tables.tenants)} tenants")
         elif self.auth is not None:
             parts.append("client certificates: one default tenant")
@@ -162,14 +167,14 @@ class Server:
         self.watchdog = Watchdog(
             asyncio.get_running_loop(),
             self.servicer.engine,
-            self.config.stall_timeout,
+            self.config.limits.stall_timeout,
             self.servicer.fatal_threadsafe,
         )
         self.watchdog.start()
-        if self.config.metrics_port:
-            unix = self.config.listen.startswith("unix:")
+        if self.config.observability.metrics_port:
+            unix = self.config.network.listen.startswith("unix:")
             host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
-            self.servicer.metrics.serve_http(self.config.metrics_port, host)
+            self.servicer.metrics.serve_http(self.config.observability.metrics_port, host)
         log.info(
             "kvsvc %s serving on %s (store %d bytes, device %s, start id %s; %s)",
             __version__,
@@ -190,7 +195,7 @@ class Server:
         """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
         still answers, so probes see the truth); then stop the gRPC server."""
         await self.health.shutdown()
-        grace = self.config.shutdown_grace if grace is None else grace
+        grace = self.config.limits.shutdown_grace if grace is None else grace
         deadline = time.monotonic() + grace
         engine = self.servicer.engine
         while engine.inflight and time.monotonic() < deadline:
@@ -236,13 +241,15 @@ def _read(path: str) -> bytes:
 
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """TLS for the main port (mTLS with --tls-client-ca), or None for plaintext."""
-    if not config.tls_cert:
+    if not config.security.tls_cert:
         return None
     try:
         return grpc.ssl_server_credentials(
-            [(_read(config.tls_key), _read(config.tls_cert))],
-            root_certificates=_read(config.tls_client_ca) if config.tls_client_ca else None,
-            require_client_auth=bool(config.tls_client_ca),
+            [(_read(config.security.tls_key), _read(config.security.tls_cert))],
+            root_certificates=_read(config.security.tls_client_ca)
+            if config.security.tls_client_ca
+            else None,
+            require_client_auth=bool(config.security.tls_client_ca),
         )
     except OSError as exc:
         raise ConfigError(f"TLS files: {exc.filename}: {exc.strerror}") from None
@@ -262,7 +269,7 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(signal.SIGHUP, server.auth.reload)
     await server.start()
     waits = [asyncio.ensure_future(stop.wait())]
-    if config.exit_on_fatal:
+    if config.limits.exit_on_fatal:
         waits.append(asyncio.ensure_future(server.health.fatal_event.wait()))
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
@@ -271,7 +278,9 @@ async def serve(config: ServerConfig) -> int:
     if fatal:
         log.error("exiting after fatal failure %s (--exit-on-fatal)", fatal)
     else:
-        log.info("signal received: NOT_SERVING, draining for up to %.1f s", config.shutdown_grace)
+        log.info(
+            "signal received: NOT_SERVING, draining for up to %.1f s", config.limits.shutdown_grace
+        )
     await server.stop()
     # grpc's handler tasks can outlive its stop by a moment (the call is over in the
     # core, the coroutine not yet): asyncio.run would cancel them, and grpc logs

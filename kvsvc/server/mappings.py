@@ -187,7 +187,7 @@ class Mapper:
                     open_rank,
                     rank,
                     index,
-                    self.config.shm_dir,
+                    self.config.data.shm_dir,
                     self.fds,
                     self.shm_owners if owners is None else owners,
                 )
@@ -232,7 +232,7 @@ class Mapper:
             for mapping in list(self.mappings.values()):
                 if mapping.closing or not mapping.owner_gone():
                     continue
-                deadline = monotonic() + self.config.stall_timeout
+                deadline = monotonic() + self.config.limits.stall_timeout
                 try:
                     await self._release(mapping, deadline, "released: its engine is gone")
                 except KVServiceError as exc:  # copies still run: the next round retries

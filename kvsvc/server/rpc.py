@@ -129,7 +129,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             started = monotonic()  # one clock for the deadline and the latency metric
             call = Call(
                 request_id,
-                started + (self.config.default_deadline if remaining is None else remaining),
+                started + (self.config.limits.default_deadline if remaining is None else remaining),
                 transfer,
                 current_tenant(),
             )
@@ -200,9 +200,9 @@ async def _bounded(
             ) from None
         raise DeadlineExceeded(
             f"{name} did not finish within the server's default deadline of "
-            f"{served.config.default_deadline:g} s (the call carried no deadline)",
+            f"{served.config.limits.default_deadline:g} s (the call carried no deadline)",
             reason="DEFAULT_DEADLINE_EXCEEDED",
-            metadata={"defaultDeadlineS": f"{served.config.default_deadline:g}"},
+            metadata={"defaultDeadlineS": f"{served.config.limits.default_deadline:g}"},
             transfer_state=state,
         ) from None
 

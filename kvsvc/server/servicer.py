@@ -48,19 +48,23 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.health = health
         self.start_id = uuid.uuid4().hex
         self.start_time = time.time()
-        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        cuda = config.data.device == "cuda" or (
+            config.data.device == "auto" and torch.cuda.is_available()
+        )
         self.device = "cuda" if cuda else "cpu"
-        self.store = ChunkStore(config.store_bytes, pin_memory=cuda)
+        self.store = ChunkStore(config.data.store_bytes, pin_memory=cuda)
         self.loop = asyncio.get_running_loop()
         #: the shared tier behind the store (None: --remote off); checks its credentials
-        self.remote = RemoteTier(config, self.store, self.loop) if config.remote != "off" else None
+        self.remote = (
+            RemoteTier(config, self.store, self.loop) if config.tiers.remote != "off" else None
+        )
         if self.remote is not None:
             self.remote.start()
-        self.engine = TransferEngine(config.transfer_threads, config.inline_copy_bytes)
+        self.engine = TransferEngine(config.data.transfer_threads, config.data.inline_copy_bytes)
         self.engine.on_fatal = self.fatal_threadsafe
         self.fds = self._fd_broker(config)
         #: whose files Map opens by name (--shm-uids; regions.open_trusted)
-        self.shm_owners = shm_owner_uids(config.shm_uids)
+        self.shm_owners = shm_owner_uids(config.security.shm_uids)
         self.mapper = Mapper(
             config, self.engine, self.fds, self.shm_owners, self.start_id, self.loop
         )
@@ -84,16 +88,16 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         made (read-only shm dir) only turns memfd regions off, loudly; a path or a
         socket dir the operator chose must work."""
         path = fdbroker.socket_path(
-            config.fd_socket, config.shm_dir, self.start_id, config.socket_dir
+            config.data.fd_socket, config.data.shm_dir, self.start_id, config.network.socket_dir
         )
         if path is None:
             return None
         try:
             return fdbroker.FdBroker(path, gid=socket_gid(config))
         except OSError as exc:
-            if config.socket_dir and config.fd_socket == "auto":
-                raise ConfigError(f"--socket-dir {config.socket_dir}: {exc}") from exc
-            if config.fd_socket != "auto":
+            if config.network.socket_dir and config.data.fd_socket == "auto":
+                raise ConfigError(f"--socket-dir {config.network.socket_dir}: {exc}") from exc
+            if config.data.fd_socket != "auto":
                 raise
             log.warning("no fd socket at %s (%s): sealed memfd regions are off", path, exc)
             return None

@@ -171,7 +171,7 @@ class Transfers:
                 mapping_id,
                 nbytes,
                 call.deadline,
-                tasks(pieces, nbytes, self.config.transfer_threads),
+                tasks(pieces, nbytes, self.config.data.transfer_threads),
                 finalize,
                 loop_safe=loop_safe,
             )
@@ -266,7 +266,7 @@ class Transfers:
                 failure, over = exc, True
                 return
             nbytes = sum(c.size for c in part)
-            todo = tasks(pieces, nbytes, self.config.transfer_threads)
+            todo = tasks(pieces, nbytes, self.config.data.transfer_threads)
             done = functools.partial(_release, self.store, part)
             if stream is None:
                 call.started = True

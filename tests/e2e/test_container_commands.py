@@ -18,7 +18,6 @@ names, KVSVC_* names, memory arithmetic). No Docker engine is needed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -41,6 +40,7 @@ import pytest
 from kvsvc.cli.healthprobe import SERVING, probe
 from kvsvc.server.auth import TOKEN_FILE_NAME
 from kvsvc.server.config import (
+    SETTINGS,
     ServerConfig,
     check_security,
     env_name,
@@ -66,7 +66,7 @@ K8S = ROOT / "deploy" / "kubernetes"
 SERVER_SERVICE = "kvsvc"
 DEMO_SERVICE = "demo"
 VENV_BIN = Path(sys.executable).parent  # stands in for the image's /opt/kvsvc/bin
-KNOWN_ENV = {env_name(f) for f in ServerConfig.__dataclass_fields__}
+KNOWN_ENV = {env_name(f) for f in SETTINGS}
 
 START_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
@@ -287,7 +287,7 @@ def check_security_offline(config: ServerConfig) -> None:
     files = ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca")
     with tempfile.NamedTemporaryFile() as stand_in:
         check_security(
-            dataclasses.replace(config, **{f: stand_in.name for f in files if getattr(config, f)})
+            config.replace(**{f: stand_in.name for f in files if getattr(config.security, f)})
         )
 
 
@@ -338,18 +338,18 @@ def test_image_and_compose_agree_with_the_server():
 
     config = config_from_env(env)
     check_security_offline(config)  # else `kvsvc serve` refuses to start in the container
-    listen_host, listen_port = host_port(config.listen)
+    listen_host, listen_port = host_port(config.network.listen)
     assert listen_host == "0.0.0.0", "the container must listen on all its interfaces"
     # ... and so needs credentials: a tenant file, made by `kvsvc init-auth` first.
-    assert config.auth_token_file and not config.allow_insecure
-    assert config.auth_token_file.startswith("/run/")
+    assert config.security.auth_token_file and not config.security.allow_insecure
+    assert config.security.auth_token_file.startswith("/run/")
     entry = service_argv(IMAGE, server_svc)
     assert entry[:2] == ["sh", "-c"] and entry[2].startswith("kvsvc init-auth && exec kvsvc serve")
-    assert config.metrics_port > 0, "metrics must be on in the image"
+    assert config.observability.metrics_port > 0, "metrics must be on in the image"
     # Health only, plaintext, for probes without credentials.
-    health_host, health_port = host_port(config.health_listen)
+    health_host, health_port = host_port(config.network.health_listen)
     assert health_host == "0.0.0.0" and health_port != listen_port
-    assert {listen_port, health_port, config.metrics_port} <= IMAGE.exposed
+    assert {listen_port, health_port, config.observability.metrics_port} <= IMAGE.exposed
 
     # The HEALTHCHECK probes the health-only port, for the server's service name.
     assert IMAGE.healthcheck and IMAGE.healthcheck[0] == "grpc_health_probe"
@@ -362,7 +362,7 @@ def test_image_and_compose_agree_with_the_server():
     # healthy, and shares nothing else with it but the socket volume: no IPC
     # namespace, no /dev/shm. Its memory goes over the fd socket as sealed memfds.
     targets = {int(str(p).rsplit(":", 1)[-1].split("/")[0]) for p in server_svc["ports"]}
-    assert targets == {listen_port, health_port, config.metrics_port}
+    assert targets == {listen_port, health_port, config.observability.metrics_port}
     assert all(str(p).startswith("127.0.0.1:") for p in server_svc["ports"])
     demo_argv = service_argv(IMAGE, demo_svc)
     target = demo_argv[demo_argv.index("--target") + 1]
@@ -370,25 +370,27 @@ def test_image_and_compose_agree_with_the_server():
     assert "--memfd" in demo_argv
     # The demo's token: the one init-auth writes beside the server's tenant file.
     token_file = demo_argv[demo_argv.index("--token-file") + 1]
-    assert token_file == os.path.join(os.path.dirname(config.auth_token_file), TOKEN_FILE_NAME)
+    assert token_file == os.path.join(
+        os.path.dirname(config.security.auth_token_file), TOKEN_FILE_NAME
+    )
     assert demo_svc["depends_on"][SERVER_SERVICE]["condition"] == "service_healthy"
     for svc in (server_svc, demo_svc):
         assert "ipc" not in svc and "shm_size" not in svc, "only the socket volume is shared"
         assert svc.get("pid") is None and not svc.get("privileged")
-    assert config.socket_dir, "the server's sockets must be in a shared directory"
+    assert config.network.socket_dir, "the server's sockets must be in a shared directory"
     mounts = [
         {str(v).split(":")[1]: str(v).split(":")[0] for v in svc.get("volumes", [])}
         for svc in (server_svc, demo_svc)
     ]
-    volume = mounts[0][config.socket_dir]
-    auth_dir = os.path.dirname(config.auth_token_file)
+    volume = mounts[0][config.network.socket_dir]
+    auth_dir = os.path.dirname(config.security.auth_token_file)
     auth = mounts[0][auth_dir]
-    assert mounts[1] == {config.socket_dir: volume, auth_dir: auth}, (
+    assert mounts[1] == {config.network.socket_dir: volume, auth_dir: auth}, (
         "the demo mounts the socket volume and the token's only"
     )
     assert f"{auth}:{auth_dir}:ro" in demo_svc["volumes"], "the demo reads the token only"
     assert {volume, auth} <= set(COMPOSE["volumes"]), "named volumes, not host paths"
-    assert config.shm_dir == "/dev/shm"
+    assert config.data.shm_dir == "/dev/shm"
     # The sockets are 0660 for the server's uid/gid: the demo runs as the same user.
     assert demo_svc.get("user", IMAGE.user) == server_svc.get("user", IMAGE.user)
 
@@ -428,21 +430,23 @@ def check_server_container(container: dict, pod: dict, config: ServerConfig) -> 
     """What every kvsvc server container must be: probes on its port, memory for
     its store, locked down."""
     check_security_offline(config)  # else `kvsvc serve` refuses to start in the pod
-    assert not config.allow_insecure
+    assert not config.security.allow_insecure
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert host_port(config.listen)[1] == ports["grpc"]
+    assert host_port(config.network.listen)[1] == ports["grpc"]
     # Beyond loopback, credentials: a tenant file from a Secret, read-only.
-    if not is_local_address(config.listen):
-        assert config.auth_token_file, "the server listens beyond loopback without a tenant file"
-        secret_mount(container, pod, config.auth_token_file)
+    if not is_local_address(config.network.listen):
+        assert config.security.auth_token_file, (
+            "the server listens beyond loopback without a tenant file"
+        )
+        secret_mount(container, pod, config.security.auth_token_file)
     # The kubelet's gRPC probes call the pod IP on the health-only port, no credentials.
-    assert host_port(config.health_listen) == ("0.0.0.0", ports["health"])
-    assert config.metrics_port == ports["metrics"]
+    assert host_port(config.network.health_listen) == ("0.0.0.0", ports["health"])
+    assert config.observability.metrics_port == ports["metrics"]
     assert container["readinessProbe"]["grpc"] == {"port": ports["health"], "service": SERVICE_NAME}
     assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert container["livenessProbe"]["grpc"]["port"] == ports["health"]
     assert container["startupProbe"]["grpc"]["port"] == ports["health"]
-    assert pod["terminationGracePeriodSeconds"] > config.shutdown_grace
+    assert pod["terminationGracePeriodSeconds"] > config.limits.shutdown_grace
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
@@ -451,11 +455,11 @@ def check_server_container(container: dict, pod: dict, config: ServerConfig) -> 
     limit = k8s_quantity(container["resources"]["limits"]["memory"])
     request = k8s_quantity(container["resources"]["requests"]["memory"])
     # the store + >= 1 GiB for Python, torch, gRPC messages; requests = limits
-    assert limit >= config.store_bytes + (1 << 30)
+    assert limit >= config.data.store_bytes + (1 << 30)
     assert request == limit
     # The socket dir is a volume the engine can share; nothing else is shared.
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert config.socket_dir in mounts, "the socket dir must be a volume"
+    assert config.network.socket_dir in mounts, "the socket dir must be a volume"
     assert not pod.get("hostIPC") and not pod.get("hostPID") and not pod.get("hostNetwork")
     assert not sc.get("privileged")
 
@@ -472,10 +476,13 @@ def test_node_topology_serves_engines_in_other_pods_through_a_host_path():
     check_server_container(container, pod, config)
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    host_dir = volumes[mounts[config.socket_dir]]["hostPath"]["path"]
+    host_dir = volumes[mounts[config.network.socket_dir]]["hostPath"]["path"]
     # the init container hands the host directory to the server's uid, 0750
     (init,) = pod["initContainers"]
-    assert init["command"][:2] == ["install", "-d"] and init["command"][-1] == config.socket_dir
+    assert (
+        init["command"][:2] == ["install", "-d"]
+        and init["command"][-1] == config.network.socket_dir
+    )
     assert init["securityContext"]["capabilities"]["add"] == ["CHOWN", "FOWNER"]
     assert not init["securityContext"].get("privileged")
     (svc,) = docs["Service"]
@@ -490,19 +497,19 @@ def test_node_topology_serves_engines_in_other_pods_through_a_host_path():
     evolumes = {v["name"]: v for v in epod["volumes"] if "hostPath" in v}
     (emount,) = [m for c in epod["containers"] for m in c["volumeMounts"] if m["name"] in evolumes]
     assert evolumes[emount["name"]]["hostPath"]["path"] == host_dir
-    assert emount["mountPath"] == config.socket_dir
+    assert emount["mountPath"] == config.network.socket_dir
     assert epod["securityContext"]["runAsUser"] != 10001
     assert 10001 in epod["securityContext"]["supplementalGroups"]
     assert not epod.get("hostIPC") and not epod.get("hostPID")
     (ec,) = epod["containers"]
     command = " ".join(ec["command"] + ec["args"])
-    assert f"unix:{config.socket_dir}/grpc.sock" in command
+    assert f"unix:{config.network.socket_dir}/grpc.sock" in command
     # grpc.sock wants a token too: the engine's own, from another Secret than the
     # server's tenant file.
     token_file = re.search(r"--token-file (\S+)", command)
     assert token_file, command
     token_secret = secret_mount(ec, epod, token_file[1])["secret"]["secretName"]
-    tenants = secret_mount(container, pod, config.auth_token_file)["secret"]["secretName"]
+    tenants = secret_mount(container, pod, config.security.auth_token_file)["secret"]["secretName"]
     assert token_secret != tenants
 
 
@@ -541,9 +548,9 @@ def test_sidecar_topology_shares_only_a_socket_volume():
     volumes = {v["name"]: v for v in pod["volumes"]}
     smounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
     emounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
-    sockets = smounts[config.socket_dir]
+    sockets = smounts[config.network.socket_dir]
     assert "emptyDir" in volumes[sockets]
-    assert emounts[sockets] == config.socket_dir
+    assert emounts[sockets] == config.network.socket_dir
     shared = set(smounts.values()) & set(emounts)
     assert shared == {sockets}, f"server and engine share {shared}, not only the sockets"
     assert pod["securityContext"]["fsGroup"] == 10001  # the group that may connect
@@ -554,7 +561,7 @@ def test_sidecar_topology_shares_only_a_socket_volume():
 def test_gpu_topology_says_what_cuda_ipc_needs():
     pod, server, engine, config = sidecar_pod("gpu")
     check_server_container(server, pod, config)
-    assert config.device == "cuda"
+    assert config.data.device == "cuda"
     assert server["image"].endswith(":cuda")
     # (1) one GPU seen by both, (2) one PID namespace, (3) one /dev/shm
     (claim,) = pod["resourceClaims"]
@@ -690,7 +697,7 @@ def test_metrics_endpoint(kv_server):
         )
     assert info.WhichOneof("outcome") != "error", info
     samples = scrape(kv_server.metrics_url)
-    store_bytes = config_from_env(kv_server.env).store_bytes
+    store_bytes = config_from_env(kv_server.env).data.store_bytes
     assert samples["kvsvc_store_capacity_bytes"] >= store_bytes  # aligned up to 4 KiB
     assert samples["kvsvc_store_capacity_bytes"] == info.result.capacity_bytes
     assert samples["kvsvc_serving"] == 1.0

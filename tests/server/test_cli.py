@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from kvsvc.errors import FatalServerError
-from kvsvc.server.config import _TYPES, ConfigError, ServerConfig, env_name, parse_server_config
+from kvsvc.server.config import (
+    SETTINGS,
+    ConfigError,
+    ServerConfig,
+    env_name,
+    parse_server_config,
+)
 from kvsvc.server.lifecycle import Server
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
@@ -124,6 +130,103 @@ def test_device_cuda_without_cuda_is_a_usage_error(shm_dir: Path) -> None:
     assert list(shm_dir.iterdir()) == []
 
 
+# Settings that escaped `kvsvc serve` as a traceback (or a grpc C-core log line first)
+# before kvsvc.server.config's checks knew them: now each is one line and exit 2.
+HOST_CANNOT = [
+    "fd socket is a directory",
+    "fd socket is a file",
+    "fd socket path too long",
+    "fd socket of a live server",
+    "tls key of another cert",
+    "unix listen path is a directory",
+    "store larger than the host",
+    "too many transfer threads",
+]
+
+
+@pytest.fixture
+def live_unix_socket(tmp_path: Path) -> Iterator[Path]:
+    """A unix socket another server listens on."""
+    path = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(str(path))
+        s.listen()
+        yield path
+
+
+@pytest.mark.parametrize("case", HOST_CANNOT)
+def test_a_setting_the_host_cannot_honour_is_a_usage_error_not_a_traceback(
+    shm_dir: Path, tmp_path: Path, live_unix_socket: Path, case: str
+) -> None:
+    from certs import make_ca, make_cert
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    if case.startswith("tls"):
+        make_ca(tmp_path, "ca")
+        make_cert(tmp_path, "ca", "one", "localhost")
+        make_cert(tmp_path, "ca", "two", "localhost")
+    args, names = {
+        "fd socket is a directory": (["--fd-socket", str(tmp_path / "adir")], "not a socket"),
+        "fd socket is a file": (["--fd-socket", str(tmp_path / "afile")], "not a socket"),
+        "fd socket path too long": (["--fd-socket", str(tmp_path / ("x" * 120))], "longer"),
+        "fd socket of a live server": (
+            ["--fd-socket", str(live_unix_socket)],
+            "another server is listening",
+        ),
+        "tls key of another cert": (
+            ["--tls-cert", str(tmp_path / "one.pem"), "--tls-key", str(tmp_path / "two.key")],
+            "not a usable PEM file",
+        ),
+        "unix listen path is a directory": (
+            ["--listen", f"unix:{tmp_path / 'adir'}"],
+            "exists and is not a socket",
+        ),
+        "store larger than the host": (["--store-bytes", "1024T"], "more than this host's memory"),
+        "too many transfer threads": (["--transfer-threads", "100000"], "at most 1024"),
+    }[case]
+    done = kvsvc("serve", "--listen", "127.0.0.1:0", "--shm-dir", str(shm_dir), *args)
+    assert_usage_error(done, names)
+    assert list(shm_dir.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".sock") == ["live.sock"]
+
+
+@pytest.mark.parametrize("listener", ["--metrics-port", "--health-listen"])
+def test_two_listeners_on_one_port_are_one_line_and_exit_2(shm_dir: Path, listener: str) -> None:
+    """Each binds alone, so only the server's second bind failed: a traceback (metrics)
+    or grpc's C-core log line (health) came first."""
+    port = free_port()
+    value = str(port) if listener == "--metrics-port" else f"127.0.0.1:{port}"
+    done = kvsvc(
+        "serve", "--listen", f"127.0.0.1:{port}", "--shm-dir", str(shm_dir), listener, value
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"kvsvc serve: {listener}: port {port} is --listen's port too\n"
+
+
+def test_an_fd_socket_left_by_a_dead_server_is_reused(shm_dir: Path, tmp_path: Path) -> None:
+    """The check probes beside the path and leaves a stale socket for the server to
+    replace, as before; the server then serves memfds there."""
+    from kvsvc.server.config import check_unix_socket
+
+    path = tmp_path / "fd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(str(path))  # never listened on, closed: what a killed server leaves
+    check_unix_socket("--fd-socket", str(path), -1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fd.sock", "shm"]  # no probe left
+    config = ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=16 << 20, shm_dir=str(shm_dir), fd_socket=str(path)
+    )
+
+    async def make() -> None:
+        server = Server(config)
+        await server.start()
+        assert server.servicer.fds is not None and server.servicer.fds.path == str(path)
+        await server.stop(0)
+
+    asyncio.run(make())
+
+
 @pytest.mark.parametrize("what", ["port in use", "host unknown", "metrics port in use"])
 def test_address_that_cannot_be_bound_is_one_line_and_exit_2(
     shm_dir: Path, busy_port: int, what: str
@@ -147,7 +250,7 @@ def test_address_that_cannot_be_bound_is_one_line_and_exit_2(
 def test_server_that_cannot_bind_closes_its_fd_socket(shm_dir: Path, busy_port: int) -> None:
     """Past the command's own check (the port can be taken between check and bind),
     Server itself fails with ConfigError and removes the fd socket it made."""
-    config = ServerConfig(
+    config = ServerConfig.from_settings(
         listen=f"127.0.0.1:{busy_port}", store_bytes=16 << 20, shm_dir=str(shm_dir)
     )
 
@@ -163,7 +266,7 @@ def test_server_that_cannot_bind_closes_its_fd_socket(shm_dir: Path, busy_port: 
     "listen", ["127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:65535", "[::1]:50051", "unix:kvsvc.sock"]
 )
 def test_valid_listen_addresses_parse(listen: str) -> None:
-    assert parse_server_config(["--listen", listen]).listen == listen
+    assert parse_server_config(["--listen", listen]).network.listen == listen
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:65536", "127.0.0.1:", ":50051", "::1:50051"])
@@ -295,26 +398,27 @@ def help_flags() -> dict[str, tuple[str, str]]:
     for line in done.stdout.splitlines():
         if line.startswith("  -"):
             entries.append(line)
-        elif entries and line.startswith(" "):  # help text under a long flag
+        elif entries and line.startswith("    "):  # help text under a long flag
             entries[-1] += " " + line.strip()
+        else:  # a group's title or description ends the entry
+            entries.append("")
     flags = {}
     for entry in entries:
         m = re.search(r"\(env (KVSVC_\w+); default ([^)]*)\)$", entry)
-        if m:
-            flags[entry.split()[0].rstrip(",")] = (m.group(1), m.group(2))
+        if m:  # "default 0: off": the value, then what it means
+            flags[entry.split()[0].rstrip(",")] = (m.group(1), m.group(2).split(": ")[0])
     return flags
 
 
 def test_readme_table_help_and_defaults_agree() -> None:
     table, helped = readme_config_table(), help_flags()
-    fields = ServerConfig.__dataclass_fields__
-    assert len(helped) == len(fields), helped
+    assert len(helped) == len(SETTINGS), helped
     assert table == helped  # same flags, env names and defaults, as written
     for flag, (env, shown) in table.items():
         name = flag.removeprefix("--").replace("-", "_")
         assert env == env_name(name)
         # The default as written reads back as the default the server uses.
-        assert _TYPES.get(name, str)(shown) == fields[name].default, flag
+        assert SETTINGS[name].parse(shown) == SETTINGS[name].default, flag
 
 
 # --- the README's Python example ---------------------------------------------------

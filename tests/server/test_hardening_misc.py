@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -109,7 +108,7 @@ def test_fifty_stops_log_no_fatal_and_leave_no_watchdog(
     sys.setswitchinterval(1e-5)
     try:
         for i in range(50):
-            st = ServerThread(replace(config, store_bytes=4 << 20))
+            st = ServerThread(config.replace(store_bytes=4 << 20))
             server = st.server
             assert not st.run(_stop_then_watchdog_alive(server)), f"stop {i}"
             st.loop.call_soon_threadsafe(st.loop.stop)

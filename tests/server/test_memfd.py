@@ -246,7 +246,9 @@ def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
     assert "sealed memfd regions are off" in caplog.text
 
     async def make() -> Server:
-        cfg = ServerConfig(listen="127.0.0.1:0", store_bytes=1 << 20, fd_socket=str(missing / "s"))
+        cfg = ServerConfig.from_settings(
+            listen="127.0.0.1:0", store_bytes=1 << 20, fd_socket=str(missing / "s")
+        )
         return Server(cfg)
 
     with pytest.raises(OSError):  # a path the operator chose must work

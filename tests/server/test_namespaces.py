@@ -303,7 +303,7 @@ def test_socket_dir_lets_only_the_owner_and_its_group_connect(shm_dir) -> None:
     os.chmod(base, 0o755)  # so only the socket dir's own modes stand in the way
     socket_dir = os.path.join(base, "run-kvsvc")
     st = ServerThread(
-        ServerConfig(
+        ServerConfig.from_settings(
             listen="127.0.0.1:0",
             store_bytes=1 << 20,
             shm_dir=str(shm_dir),

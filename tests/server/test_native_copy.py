@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 import torch
@@ -49,7 +48,7 @@ def loop(request, monkeypatch) -> str:
 @pytest.fixture(params=["on the loop", "on copy threads"])
 def config(request, config: ServerConfig) -> ServerConfig:
     """Every copy here inline (up to 64 MiB), or none."""
-    return replace(config, inline_copy_bytes=(64 << 20) if request.param == "on the loop" else 0)
+    return config.replace(inline_copy_bytes=(64 << 20) if request.param == "on the loop" else 0)
 
 
 @pytest.fixture
@@ -64,7 +63,7 @@ def copied_on(monkeypatch, server, config: ServerConfig) -> Iterator[set[str]]:
 
     monkeypatch.setattr(copies._BlockCopy, "run", recording)
     yield names
-    if config.inline_copy_bytes:
+    if config.data.inline_copy_bytes:
         assert names == {server.thread.name}
     else:
         assert names and all(n.startswith("kvsvc-copy-") for n in names)

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +57,14 @@ def node(tmp_path: Path) -> Iterator:
     def make(name: str, remote: str, **changes: object) -> tuple[ServerThread, Path]:
         shm = tmp_path / f"shm-{name}"
         shm.mkdir()
-        config = ServerConfig(
+        config = ServerConfig.from_settings(
             listen="127.0.0.1:0",
             store_bytes=64 << 20,
             shm_dir=str(shm),
             remote=remote,
             remote_lookup_budget=GENEROUS_BUDGET_S,
         )
-        st = ServerThread(replace(config, **changes))
+        st = ServerThread(config.replace(**changes))
         started.append(st)
         return st, shm
 
@@ -888,7 +888,8 @@ from kvsvc.server.config import ServerConfig
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.server.data.store import ChunkStore
 
-tier = RemoteTier(ServerConfig(remote=sys.argv[1]), ChunkStore(1 << 20), asyncio.new_event_loop())
+config = ServerConfig.from_settings(remote=sys.argv[1])
+tier = RemoteTier(config, ChunkStore(1 << 20), asyncio.new_event_loop())
 if sys.argv[2] == "started":
     tier.start()
 r = tier._redis()  # the client that carries the tier's values, its settings

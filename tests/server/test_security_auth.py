@@ -393,9 +393,9 @@ def test_tls_without_client_certs_with_tokens(make_server, tmp_path, pki):
 
 
 def test_server_config_knows_when_calls_need_credentials():
-    assert not ServerConfig().authenticated
-    assert ServerConfig(auth_token_file="t").authenticated
-    assert ServerConfig(tls_client_ca="ca").authenticated
+    assert not ServerConfig().security.authenticated
+    assert ServerConfig.from_settings(auth_token_file="t").security.authenticated
+    assert ServerConfig.from_settings(tls_client_ca="ca").security.authenticated
 
 
 def test_the_async_client_takes_a_token_and_tls(mtls_server, pki):

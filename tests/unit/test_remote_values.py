@@ -11,11 +11,11 @@ import pytest
 from kvsvc.server.config import (
     ConfigError,
     ServerConfig,
-    _remote_url,
     parse_server_config,
     redact_url,
     remote_password,
 )
+from kvsvc.server.config.values import remote_url
 from kvsvc.server.data.copies import checksum, segments
 from kvsvc.server.tiers.redis import (
     BAD_CHECKSUM,
@@ -151,14 +151,14 @@ def test_breaker_opens_after_failures_and_lets_one_probe_through() -> None:
 
 def test_remote_settings() -> None:
     c = parse_server_config(["--remote", "redis+cluster://10.0.0.1:7000", "--remote-ttl", "60"])
-    assert c.remote == "redis+cluster://10.0.0.1:7000" and c.remote_ttl == 60
-    assert ServerConfig().remote == "off"
+    assert c.tiers.remote == "redis+cluster://10.0.0.1:7000" and c.tiers.remote_ttl == 60
+    assert ServerConfig().tiers.remote == "off"
     for ok in ("off", "redis://h:6379/2", "rediss://user@h:6380", "rediss+cluster://h"):
-        assert _remote_url(ok) == ok
-    assert _remote_url("") == "off"  # KVSVC_REMOTE set to nothing (compose pass-through)
+        assert remote_url(ok) == ok
+    assert remote_url("") == "off"  # KVSVC_REMOTE set to nothing (compose pass-through)
     for bad in ("http://h", "redis://", "h:6379", "redis://user:pw@h:6379"):
         with pytest.raises(argparse.ArgumentTypeError) as ei:
-            _remote_url(bad)
+            remote_url(bad)
         assert "pw" not in str(ei.value) or "password-file" in str(ei.value)
     assert redact_url("redis://u:pw@h:1") == "redis://u:***@h:1"
     with pytest.raises(SystemExit):
@@ -168,7 +168,7 @@ def test_remote_settings() -> None:
 def test_password_file(tmp_path) -> None:
     f = tmp_path / "pw"
     f.write_text("secret\n")
-    assert remote_password(ServerConfig(remote_password_file=str(f))) == "secret"
+    assert remote_password(ServerConfig.from_settings(remote_password_file=str(f))) == "secret"
     assert remote_password(ServerConfig()) is None
     with pytest.raises(ConfigError, match="--remote-password-file"):
-        remote_password(ServerConfig(remote_password_file=str(tmp_path / "missing")))
+        remote_password(ServerConfig.from_settings(remote_password_file=str(tmp_path / "missing")))

@@ -94,22 +94,22 @@ class Connections:
     def __init__(
         self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
     ) -> None:
-        self.url = config.remote
-        self.where = redact_url(config.remote)
-        self.prefix = config.remote_prefix
-        self.timeout = config.remote_timeout
-        self.lookup_budget = config.remote_lookup_budget
-        self.ttl = config.remote_ttl
-        self.part_bytes = config.remote_value_bytes
+        self.url = config.tiers.remote
+        self.where = redact_url(config.tiers.remote)
+        self.prefix = config.tiers.remote_prefix
+        self.timeout = config.tiers.remote_timeout
+        self.lookup_budget = config.tiers.remote_lookup_budget
+        self.ttl = config.tiers.remote_ttl
+        self.part_bytes = config.tiers.remote_value_bytes
         self.store = store
         self.loop = loop
         self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
-        self.resolver = Resolver(config.remote, config.remote_timeout)
-        self.cluster = "+cluster" in config.remote.split("://", 1)[0]
+        self.resolver = Resolver(config.tiers.remote, config.tiers.remote_timeout)
+        self.cluster = "+cluster" in config.tiers.remote.split("://", 1)[0]
         self.tls_ca, self.tls_cert, self.tls_key = (
-            config.remote_tls_ca,
-            config.remote_tls_cert,
-            config.remote_tls_key,
+            config.tiers.remote_tls_ca,
+            config.tiers.remote_tls_cert,
+            config.tiers.remote_tls_key,
         )
         self._password = remote_password(config)
         self._client: Any = None

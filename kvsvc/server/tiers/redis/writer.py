@@ -36,7 +36,7 @@ class WriteBehind(Connections):
     ) -> None:
         super().__init__(config, store, loop)
         # Pinned chunks block eviction: at most a quarter of the store waits for Redis.
-        self.queue_limit = min(config.remote_queue_bytes, store.capacity // 4)
+        self.queue_limit = min(config.tiers.remote_queue_bytes, store.capacity // 4)
         self.queued_bytes = 0
         self._queue: queue.Queue[_Write | None] = queue.Queue()
         self._queued_lock = threading.Lock()

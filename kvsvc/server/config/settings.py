@@ -1,0 +1,315 @@
+"""Every setting of ``kvsvc serve``, declared once each and grouped by concern;
+``ServerConfig`` is one process's settings, a frozen dataclass of the groups.
+
+Each field below is the whole declaration of one setting: its name (the flag
+``--name-with-dashes`` and the variable ``KVSVC_NAME``), default, parser and help.
+kvsvc.server.config.sources makes the flags and reads the variables from them, and
+scripts/gen_settings.py writes README's configuration table."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsvc.limits import DEFAULT_TRANSFER_DEADLINE_S, GiB, MiB
+from kvsvc.server.config.setting import Setting, declared, setting
+from kvsvc.server.config.values import (
+    boolean,
+    choice,
+    format_size,
+    int_up_to,
+    listen_address,
+    non_negative_int,
+    optional,
+    parse_size,
+    port,
+    positive_float,
+    remote_url,
+    shm_uids,
+    size_or_off,
+    value_size,
+)
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    """Where the server listens, and the sockets it shares with engines."""
+
+    listen: str = setting(
+        "127.0.0.1:50051",
+        listen_address,
+        "address to listen on: `HOST:PORT` (port 1-65535; 0 picks a free one) or `unix:PATH`",
+    )
+    health_listen: str = setting(
+        "",
+        optional(listen_address),
+        "`HOST:PORT` of a plaintext listener serving only grpc.health.v1, for probes that "
+        "cannot present credentials",
+        note="off",
+    )
+    socket_dir: str = setting(
+        "",
+        optional(),
+        "directory shared with engines in other containers or pods (a volume or hostPath, "
+        "e.g. `/run/kvsvc`): the fd socket (`fd.sock`) and a gRPC unix socket (`grpc.sock`) "
+        "live there, mode 0660; made 0750 if missing",
+    )
+    socket_group: str = setting(
+        "",
+        optional(),
+        "group (name or gid) given the sockets in `--socket-dir` and, when the server owns "
+        "it, the directory: engines in that group may connect",
+        note="the server's",
+    )
+
+
+@dataclass(frozen=True)
+class DataPlaneSettings:
+    """The chunk store, the regions clients map, and the copies between them."""
+
+    store_bytes: int = setting(
+        GiB,
+        parse_size,
+        "chunk store capacity (suffixes K, M, G; MiB/GiB accepted); least recently used "
+        "chunks are evicted beyond it",
+        shows=format_size,
+    )
+    shm_dir: str = setting(
+        "/dev/shm",
+        str,
+        "existing, writable directory holding clients' shared-memory regions; names cannot "
+        "escape it",
+    )
+    fd_socket: str = setting(
+        "auto",
+        str,
+        "unix socket that takes clients' sealed memfds (the fast CPU region kind): a path, "
+        "`auto` (`fd.sock` in `--socket-dir`, else a per-server name in the shm dir) or `off`",
+    )
+    device: str = setting(
+        "auto",
+        choice("auto", "cpu", "cuda"),
+        "where mapped regions live: `cpu`, `cuda` (refused at start-up without CUDA), or "
+        "`auto` (cuda when available)",
+    )
+    transfer_threads: int = setting(
+        2, int_up_to(1024), "worker threads that run copies off the event loop (1-1024)"
+    )
+    inline_copy_bytes: int = setting(
+        4 * MiB,
+        size_or_off,
+        "a Store/Retrieve of at most this many bytes between sealed memfds (or the message) "
+        "and the store copies on the event loop's thread, sparing two thread hand-offs (GIL "
+        "released while it copies); of a larger one the loop copies one share (up to 16 MiB) "
+        "beside the copy threads; `0`: every copy on the worker threads",
+        shows=format_size,
+    )
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """The shared remote tier (Redis) behind the local store."""
+
+    remote: str = setting(
+        "off",
+        remote_url,
+        "shared remote tier: `redis://[USER@]HOST:PORT[/DB]`, `rediss://` (TLS), "
+        "`redis+cluster://` or `rediss+cluster://` (Redis Cluster, any node), or `off`; "
+        "best-effort: a Redis failure is a miss",
+    )
+    remote_password_file: str = setting(
+        "",
+        optional(),
+        "file holding the Redis password (never on the command line: a password in the URL "
+        "is refused)",
+    )
+    remote_prefix: str = setting("kvsvc", str, "first part of every Redis key kvsvc writes")
+    remote_timeout: float = setting(
+        0.5, positive_float, "seconds each Redis connect/read/write may take (no retries)"
+    )
+    remote_lookup_budget: float = setting(
+        0.005, positive_float, "seconds a Lookup may wait for Redis beyond the local store"
+    )
+    remote_queue_bytes: int = setting(
+        256 * MiB,
+        parse_size,
+        "bytes of stored chunks waiting to be written to Redis (at most a quarter of the "
+        "store); beyond, writes are dropped and counted",
+        shows=format_size,
+    )
+    remote_ttl: int = setting(0, non_negative_int, "seconds Redis keeps a value", note="no expiry")
+    remote_value_bytes: int = setting(
+        64 * MiB,
+        value_size,
+        "largest Redis value (1M-512M); larger chunks are split into parts",
+        shows=format_size,
+    )
+    remote_tls_ca: str = setting(
+        "",
+        optional(),
+        "PEM CA bundle that signed Redis' certificate (`rediss://`)",
+        note="the system's CAs",
+    )
+    remote_tls_cert: str = setting(
+        "",
+        optional(),
+        "PEM client certificate for Redis (`rediss://`, with `--remote-tls-key`; Redis asks "
+        "for one unless `tls-auth-clients no`)",
+    )
+    remote_tls_key: str = setting("", optional(), "PEM private key of `--remote-tls-cert`")
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """Who may call, over what, and whose memory the server maps."""
+
+    tls_cert: str = setting(
+        "",
+        optional(),
+        "PEM certificate chain: serve TLS on `--listen` (with `--tls-key`)",
+        note="plaintext",
+    )
+    tls_key: str = setting("", optional(), "PEM private key of `--tls-cert`")
+    tls_client_ca: str = setting(
+        "",
+        optional(),
+        "PEM CA bundle: require client certificates it signed (mTLS); a certificate's name "
+        "picks its tenant in the tenant file",
+    )
+    auth_token_file: str = setting(
+        "",
+        optional(),
+        "JSON tenant file: each tenant's bearer tokens (or their SHA-256), client "
+        "certificate names, namespaces and quotas; every call must then carry a token (or "
+        "a listed client certificate). Re-read on SIGHUP",
+        note="one default tenant",
+    )
+    allow_insecure: bool = setting(
+        False,
+        boolean,
+        "allow plaintext without authentication on an address other than loopback or a "
+        "unix socket (anyone who reaches it can read every cached prompt)",
+    )
+    shm_uids: str = setting(
+        "self",
+        shm_uids,
+        "whose files under the shm dir the server maps by name, with its own rights: "
+        "comma-separated uids or user names (`self`: the server's uid), or `off` (memfd "
+        "passing only, where the client hands over an fd it opened itself). Every client "
+        "that can call Map is trusted with every listed uid's regular, single-link, "
+        "owner-writable files there; see Security",
+    )
+
+    @property
+    def authenticated(self) -> bool:
+        """Calls on the main port must carry credentials (a token or a client cert)."""
+        return bool(self.auth_token_file or self.tls_client_ca)
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """How long things may take, and what a fatal failure does."""
+
+    default_deadline: float = setting(
+        DEFAULT_TRANSFER_DEADLINE_S,
+        positive_float,
+        "seconds a call that carries no gRPC deadline may take here: queueing, copying and "
+        "the handler alike",
+    )
+    stall_timeout: float = setting(
+        10.0,
+        positive_float,
+        "seconds a copy may run before the server declares itself stalled (health NOT_SERVING)",
+    )
+    shutdown_grace: float = setting(
+        10.0, positive_float, "seconds that SIGTERM/SIGINT lets in-flight calls finish"
+    )
+    exit_on_fatal: bool = setting(
+        False,
+        boolean,
+        "exit non-zero after a fatal failure once in-flight copies are fenced",
+    )
+
+
+@dataclass(frozen=True)
+class ObservabilitySettings:
+    """What the server tells its operator: logs and metrics."""
+
+    log_format: str = setting(
+        "text",
+        choice("text", "json"),
+        "`text` or `json` (one JSON object per line, with request ids)",
+    )
+    log_level: str = setting(
+        "INFO",
+        choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        "logging level: `DEBUG`, `INFO`, `WARNING` or `ERROR`",
+    )
+    metrics_port: int = setting(0, port, "Prometheus metrics HTTP port", note="off")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One concern: its attribute on ServerConfig, a title, and its settings."""
+
+    attr: str
+    title: str
+    cls: type
+    settings: tuple[Setting, ...]
+
+    @property
+    def about(self) -> str:
+        return (self.cls.__doc__ or "").strip()
+
+
+def _group(attr: str, title: str, cls: type) -> Group:
+    return Group(attr, title, cls, declared(cls, attr))
+
+
+GROUPS = (
+    _group("network", "Network", NetworkSettings),
+    _group("data", "Data plane", DataPlaneSettings),
+    _group("tiers", "Tiers", TierSettings),
+    _group("security", "Security", SecuritySettings),
+    _group("limits", "Limits", LimitSettings),
+    _group("observability", "Observability", ObservabilitySettings),
+)
+#: Every setting by name (names are unique across groups: they are the flags).
+SETTINGS: dict[str, Setting] = {s.name: s for g in GROUPS for s in g.settings}
+
+
+def env_name(name: str) -> str:
+    """The KVSVC_* variable of setting ``name``."""
+    return SETTINGS[name].env
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one ``kvsvc serve`` process (flags, else KVSVC_* env, else default),
+    read as ``config.<group>.<setting>``."""
+
+    network: NetworkSettings = field(default_factory=NetworkSettings)
+    data: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    tiers: TierSettings = field(default_factory=TierSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
+
+    @classmethod
+    def from_settings(cls, **values: Any) -> ServerConfig:
+        """A config from settings by name (``listen=..., store_bytes=...``), the rest
+        at their defaults: how flags, tests and the demo make one."""
+        return cls().replace(**values)
+
+    def replace(self, **values: Any) -> ServerConfig:
+        """This config with the named settings changed, each in its own group."""
+        unknown = sorted(set(values) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"unknown settings {unknown}")
+        changes = {}
+        for g in GROUPS:
+            mine = {s.name: values[s.name] for s in g.settings if s.name in values}
+            if mine:
+                changes[g.attr] = dataclasses.replace(getattr(self, g.attr), **mine)
+        return dataclasses.replace(self, **changes)
