@@ -55,7 +55,7 @@ test: install lint typecheck check-proto buf pytest bench-smoke clients cpp lang
 	@echo "make test: all checks passed"
 
 proto: install
-	./scripts/gen_proto.sh
+	PATH=$(VENV)/bin:$$PATH ./scripts/gen_proto.sh
 
 # Regenerate into a temp dir; fail if the committed code drifted from proto/.
 check-proto: install

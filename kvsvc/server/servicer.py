@@ -166,6 +166,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Many calls on one stream, each through its RPC's wrapper (kvsvc.server.session)."""
         await self.sessions.serve(requests, context)
 
+    async def WatchEvents(  # type: ignore[override]  # answers by context.write
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The events stream (being built: kvsvc.server.events)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "WatchEvents is not served yet")
+
     @rpc(pb.GetServerInfoResponse)
     def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:
         result = pb.GetServerInfoResult(

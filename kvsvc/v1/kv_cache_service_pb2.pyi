@@ -50,6 +50,92 @@ DTYPE_FLOAT8_E4M3FN: Dtype.ValueType  # 6
 DTYPE_FLOAT8_E5M2: Dtype.ValueType  # 7
 Global___Dtype: _TypeAlias = Dtype  # noqa: Y015
 
+class _Tier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TIER_UNSPECIFIED: _Tier.ValueType  # 0
+    TIER_MEMORY: _Tier.ValueType  # 1
+    """The server's own chunk store."""
+    TIER_REDIS: _Tier.ValueType  # 2
+    """The shared Redis tier (as far as this server has seen it)."""
+    TIER_DISK: _Tier.ValueType  # 3
+    """The server's local disk tier."""
+
+class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
+    """The tier an event is about."""
+
+TIER_UNSPECIFIED: Tier.ValueType  # 0
+TIER_MEMORY: Tier.ValueType  # 1
+"""The server's own chunk store."""
+TIER_REDIS: Tier.ValueType  # 2
+"""The shared Redis tier (as far as this server has seen it)."""
+TIER_DISK: Tier.ValueType  # 3
+"""The server's local disk tier."""
+Global___Tier: _TypeAlias = Tier  # noqa: Y015
+
+class _RemovalReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RemovalReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RemovalReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REMOVAL_REASON_UNSPECIFIED: _RemovalReason.ValueType  # 0
+    REMOVAL_REASON_EVICTED: _RemovalReason.ValueType  # 1
+    """Made room for other chunks."""
+    REMOVAL_REASON_UNMAPPED: _RemovalReason.ValueType  # 2
+    """Its mapping went away."""
+    REMOVAL_REASON_OVERWRITTEN: _RemovalReason.ValueType  # 3
+    """Replaced by a newer copy under the same key."""
+    REMOVAL_REASON_CHECK_FAILED: _RemovalReason.ValueType  # 4
+    """Dropped after a failed integrity check."""
+    REMOVAL_REASON_TIER_DROPPED: _RemovalReason.ValueType  # 5
+    """The tier no longer holds it (a miss, an error, a restart of the tier)."""
+
+class RemovalReason(_RemovalReason, metaclass=_RemovalReasonEnumTypeWrapper):
+    """Why keys left a tier."""
+
+REMOVAL_REASON_UNSPECIFIED: RemovalReason.ValueType  # 0
+REMOVAL_REASON_EVICTED: RemovalReason.ValueType  # 1
+"""Made room for other chunks."""
+REMOVAL_REASON_UNMAPPED: RemovalReason.ValueType  # 2
+"""Its mapping went away."""
+REMOVAL_REASON_OVERWRITTEN: RemovalReason.ValueType  # 3
+"""Replaced by a newer copy under the same key."""
+REMOVAL_REASON_CHECK_FAILED: RemovalReason.ValueType  # 4
+"""Dropped after a failed integrity check."""
+REMOVAL_REASON_TIER_DROPPED: RemovalReason.ValueType  # 5
+"""The tier no longer holds it (a miss, an error, a restart of the tier)."""
+Global___RemovalReason: _TypeAlias = RemovalReason  # noqa: Y015
+
+class _ClearReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ClearReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ClearReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CLEAR_REASON_UNSPECIFIED: _ClearReason.ValueType  # 0
+    CLEAR_REASON_START: _ClearReason.ValueType  # 1
+    """The server started (a new incarnation begins empty or rebuilt)."""
+    CLEAR_REASON_FATAL: _ClearReason.ValueType  # 2
+    """A fatal failure: nothing it held can be trusted."""
+    CLEAR_REASON_OPERATOR: _ClearReason.ValueType  # 3
+    """An operator asked for it."""
+
+class ClearReason(_ClearReason, metaclass=_ClearReasonEnumTypeWrapper):
+    """Why everything a server held is gone."""
+
+CLEAR_REASON_UNSPECIFIED: ClearReason.ValueType  # 0
+CLEAR_REASON_START: ClearReason.ValueType  # 1
+"""The server started (a new incarnation begins empty or rebuilt)."""
+CLEAR_REASON_FATAL: ClearReason.ValueType  # 2
+"""A fatal failure: nothing it held can be trusted."""
+CLEAR_REASON_OPERATOR: ClearReason.ValueType  # 3
+"""An operator asked for it."""
+Global___ClearReason: _TypeAlias = ClearReason  # noqa: Y015
+
 @_typing.final
 class RequestHeader(_message.Message):
     """Carried by every request."""
@@ -1195,3 +1281,259 @@ class SessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
 
 Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class EventCursor(_message.Message):
+    """Where a watcher stands: the last batch it applied."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.str
+    """The server_start_id of the incarnation the sequence belongs to."""
+    sequence: _builtins.int
+    """Sequence of the last event applied (events are numbered from 1 in each
+    incarnation).
+    """
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventCursor: _TypeAlias = EventCursor  # noqa: Y015
+
+@_typing.final
+class WatchEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_PAGE_KEYS_FIELD_NUMBER: _builtins.int
+    snapshot_page_keys: _builtins.int
+    """Most keys in one snapshot batch; 0 means the server's default."""
+    @_builtins.property
+    def header(self) -> Global___RequestHeader: ...
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Namespaces to follow; empty means every namespace the caller may see."""
+
+    @_builtins.property
+    def cursor(self) -> Global___EventCursor:
+        """Resume after this point; unset starts with `lost` and a snapshot."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___RequestHeader | None = ...,
+        namespaces: _abc.Iterable[_builtins.str] | None = ...,
+        cursor: Global___EventCursor | None = ...,
+        snapshot_page_keys: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "header", b"header", "namespaces", b"namespaces", "snapshot_page_keys", b"snapshot_page_keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
+
+@_typing.final
+class StoredEvent(_message.Message):
+    """Keys now present in a tier, in one layout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    layout: _builtins.str
+    """Layout fingerprint of the chunks ("inline" for inline stores)."""
+    bytes: _builtins.int
+    """Bytes of the chunks, summed over the keys."""
+    tier: Global___Tier.ValueType
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        layout: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "keys", b"keys", "layout", b"layout", "namespace", b"namespace", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredEvent: _TypeAlias = StoredEvent  # noqa: Y015
+
+@_typing.final
+class RemovedEvent(_message.Message):
+    """Keys no longer present in a tier, in one layout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    layout: _builtins.str
+    reason: Global___RemovalReason.ValueType
+    tier: Global___Tier.ValueType
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        layout: _builtins.str = ...,
+        reason: Global___RemovalReason.ValueType = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "layout", b"layout", "namespace", b"namespace", "reason", b"reason", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemovedEvent: _TypeAlias = RemovedEvent  # noqa: Y015
+
+@_typing.final
+class ClearedEvent(_message.Message):
+    """Everything the watched namespaces held is gone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: Global___ClearReason.ValueType
+    def __init__(
+        self,
+        *,
+        reason: Global___ClearReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearedEvent: _TypeAlias = ClearedEvent  # noqa: Y015
+
+@_typing.final
+class KVEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stored(self) -> Global___StoredEvent: ...
+    @_builtins.property
+    def removed(self) -> Global___RemovedEvent: ...
+    @_builtins.property
+    def cleared(self) -> Global___ClearedEvent: ...
+    def __init__(
+        self,
+        *,
+        stored: Global___StoredEvent | None = ...,
+        removed: Global___RemovedEvent | None = ...,
+        cleared: Global___ClearedEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "kind", b"kind", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___KVEvent: _TypeAlias = KVEvent  # noqa: Y015
+
+@_typing.final
+class EventBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_DONE_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.str
+    """The server_start_id these events belong to."""
+    sequence: _builtins.int
+    """Sequence of the last event of this batch; for snapshot batches, the point
+    the snapshot was taken at (live events after it follow the last page).
+    """
+    lost: _builtins.bool
+    """The cursor could not be served (unset, too old, another incarnation, or the
+    watcher fell behind the server's bounded ring): drop everything known of the
+    watched namespaces; snapshot batches follow.
+    """
+    snapshot: _builtins.bool
+    """This batch's events are stored events describing what is present."""
+    snapshot_done: _builtins.bool
+    """The last batch of a snapshot; live events follow from sequence + 1."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]: ...
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        events: _abc.Iterable[Global___KVEvent] | None = ...,
+        lost: _builtins.bool = ...,
+        snapshot: _builtins.bool = ...,
+        snapshot_done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "incarnation", b"incarnation", "lost", b"lost", "sequence", b"sequence", "snapshot", b"snapshot", "snapshot_done", b"snapshot_done"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventBatch: _TypeAlias = EventBatch  # noqa: Y015
+
+@_typing.final
+class WatchEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def batch(self) -> Global___EventBatch: ...
+    @_builtins.property
+    def error(self) -> _error_pb2.RemoteError: ...
+    def __init__(
+        self,
+        *,
+        batch: Global___EventBatch | None = ...,
+        error: _error_pb2.RemoteError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["batch", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015

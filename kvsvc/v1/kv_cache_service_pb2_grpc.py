@@ -79,6 +79,11 @@ class KVCacheServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvsvc.v1.KVCacheService/WatchEvents',
+                request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -149,6 +154,19 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Follows what the server holds, for the namespaces the caller may see: ordered
+        batches of stored / removed / cleared events, so that engines and KV-aware
+        routers keep a local index instead of asking Lookup on every step. A cursor
+        the server can no longer serve is answered with `lost` and a snapshot of
+        what is present, then live events from exactly where the snapshot ends. The
+        stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+        silence. Retrieve stays the authority: an event is a hint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +209,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -414,6 +437,33 @@ class KVCacheService:
             '/kvsvc.v1.KVCacheService/Session',
             kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__cache__service__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsvc.v1.KVCacheService/WatchEvents',
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,15 @@ class KVCacheServiceStub:
     and answered with that RPC's response under the same id, in any order.
     The stream's own deadline is the session's life, not a request's.
     """
+    WatchEvents: _grpc.UnaryStreamMultiCallable[_kv_cache_service_pb2.WatchEventsRequest, _kv_cache_service_pb2.WatchEventsResponse]
+    """Follows what the server holds, for the namespaces the caller may see: ordered
+    batches of stored / removed / cleared events, so that engines and KV-aware
+    routers keep a local index instead of asking Lookup on every step. A cursor
+    the server can no longer serve is answered with `lost` and a snapshot of
+    what is present, then live events from exactly where the snapshot ends. The
+    stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+    silence. Retrieve stays the authority: an event is a hint.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -90,6 +99,15 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     handled exactly as its unary RPC (same checks, errors, health, metrics)
     and answered with that RPC's response under the same id, in any order.
     The stream's own deadline is the session's life, not a request's.
+    """
+    WatchEvents: _aio.UnaryStreamMultiCallable[_kv_cache_service_pb2.WatchEventsRequest, _kv_cache_service_pb2.WatchEventsResponse]  # type: ignore[assignment]
+    """Follows what the server holds, for the namespaces the caller may see: ordered
+    batches of stored / removed / cleared events, so that engines and KV-aware
+    routers keep a local index instead of asking Lookup on every step. A cursor
+    the server can no longer serve is answered with `lost` and a snapshot of
+    what is present, then live events from exactly where the snapshot ends. The
+    stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+    silence. Retrieve stays the authority: an event is a hint.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -167,6 +185,21 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         handled exactly as its unary RPC (same checks, errors, health, metrics)
         and answered with that RPC's response under the same id, in any order.
         The stream's own deadline is the session's life, not a request's.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEvents(
+        self,
+        request: _kv_cache_service_pb2.WatchEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kv_cache_service_pb2.WatchEventsResponse], _abc.AsyncIterator[_kv_cache_service_pb2.WatchEventsResponse]]:
+        """Follows what the server holds, for the namespaces the caller may see: ordered
+        batches of stored / removed / cleared events, so that engines and KV-aware
+        routers keep a local index instead of asking Lookup on every step. A cursor
+        the server can no longer serve is answered with `lost` and a snapshot of
+        what is present, then live events from exactly where the snapshot ends. The
+        stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+        silence. Retrieve stays the authority: an event is a hint.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

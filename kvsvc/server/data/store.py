@@ -22,6 +22,7 @@ import mmap
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -70,6 +71,17 @@ class Chunk:
         return self.alloc_size + self.meta_size
 
 
+class StoreListener(Protocol):
+    """Told, on the event loop, of every chunk that becomes visible or stops being
+    so (the events stream and lower tiers follow the store through it). Must not
+    block or raise: it runs inside the store's bookkeeping."""
+
+    def stored(self, chunk: Chunk) -> None: ...
+
+    def removed(self, chunk: Chunk, reason: str) -> None:
+        """``reason``: "evicted", "check_failed", "overwritten" or "cleared"."""
+
+
 class ChunkStore:
     def __init__(
         self, capacity_bytes: int, *, pin_memory: bool = False, prefault: bool = True
@@ -104,6 +116,8 @@ class ChunkStore:
         self.shares: dict[str, int] = {}
         self.evicted_total = 0
         self.checksum_failures = 0
+        #: told of every commit and removal (kvsvc.server.events); None: nobody listens
+        self.listener: StoreListener | None = None
 
     # --- queries ---
     def __len__(self) -> int:
@@ -218,6 +232,8 @@ class ChunkStore:
         self._free = free
         for victim in victims:
             self._forget(victim)
+            if self.listener is not None:
+                self.listener.removed(victim, "evicted")
         self.evicted_total += len(victims)
         self.used_bytes += need
         self.used_by[owner] = self.used_by.get(owner, 0) + need
@@ -263,6 +279,8 @@ class ChunkStore:
         self._chunks[chunk.key] = chunk
         pair = (chunk.key[0], chunk.key[1])
         self._keys[pair] = self._keys.get(pair, 0) + 1
+        if self.listener is not None:
+            self.listener.stored(chunk)
         return True
 
     def abort(self, chunk: Chunk) -> None:
