@@ -116,8 +116,8 @@ class ChunkStore:
         self.shares: dict[str, int] = {}
         self.evicted_total = 0
         self.checksum_failures = 0
-        #: told of every commit and removal (kvsvc.server.events); None: nobody listens
-        self.listener: StoreListener | None = None
+        #: told of every commit and removal (the events stream, lower tiers)
+        self.listeners: list[StoreListener] = []
 
     # --- queries ---
     def __len__(self) -> int:
@@ -232,8 +232,8 @@ class ChunkStore:
         self._free = free
         for victim in victims:
             self._forget(victim)
-            if self.listener is not None:
-                self.listener.removed(victim, "evicted")
+            for listener in self.listeners:
+                listener.removed(victim, "evicted")
         self.evicted_total += len(victims)
         self.used_bytes += need
         self.used_by[owner] = self.used_by.get(owner, 0) + need
@@ -279,8 +279,8 @@ class ChunkStore:
         self._chunks[chunk.key] = chunk
         pair = (chunk.key[0], chunk.key[1])
         self._keys[pair] = self._keys.get(pair, 0) + 1
-        if self.listener is not None:
-            self.listener.stored(chunk)
+        for listener in self.listeners:
+            listener.stored(chunk)
         return True
 
     def abort(self, chunk: Chunk) -> None:
