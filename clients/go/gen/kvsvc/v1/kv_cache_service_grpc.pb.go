@@ -37,6 +37,14 @@ type KVCacheServiceClient interface {
 	// and answered with that RPC's response under the same id, in any order.
 	// The stream's own deadline is the session's life, not a request's.
 	Session(ctx context.Context, opts ...grpc.CallOption) (KVCacheService_SessionClient, error)
+	// Follows what the server holds, for the namespaces the caller may see: ordered
+	// batches of stored / removed / cleared events, so that engines and KV-aware
+	// routers keep a local index instead of asking Lookup on every step. A cursor
+	// the server can no longer serve is answered with `lost` and a snapshot of
+	// what is present, then live events from exactly where the snapshot ends. The
+	// stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+	// silence. Retrieve stays the authority: an event is a hint.
+	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (KVCacheService_WatchEventsClient, error)
 }
 
 type kVCacheServiceClient struct {
@@ -141,6 +149,38 @@ func (x *kVCacheServiceSessionClient) Recv() (*SessionResponse, error) {
 	return m, nil
 }
 
+func (c *kVCacheServiceClient) WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (KVCacheService_WatchEventsClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_KVCacheService_serviceDesc.Streams[1], "/kvsvc.v1.KVCacheService/WatchEvents", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &kVCacheServiceWatchEventsClient{stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+type KVCacheService_WatchEventsClient interface {
+	Recv() (*WatchEventsResponse, error)
+	grpc.ClientStream
+}
+
+type kVCacheServiceWatchEventsClient struct {
+	grpc.ClientStream
+}
+
+func (x *kVCacheServiceWatchEventsClient) Recv() (*WatchEventsResponse, error) {
+	m := new(WatchEventsResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 // KVCacheServiceServer is the server API for KVCacheService service.
 // All implementations must embed UnimplementedKVCacheServiceServer
 // for forward compatibility
@@ -165,6 +205,14 @@ type KVCacheServiceServer interface {
 	// and answered with that RPC's response under the same id, in any order.
 	// The stream's own deadline is the session's life, not a request's.
 	Session(KVCacheService_SessionServer) error
+	// Follows what the server holds, for the namespaces the caller may see: ordered
+	// batches of stored / removed / cleared events, so that engines and KV-aware
+	// routers keep a local index instead of asking Lookup on every step. A cursor
+	// the server can no longer serve is answered with `lost` and a snapshot of
+	// what is present, then live events from exactly where the snapshot ends. The
+	// stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
+	// silence. Retrieve stays the authority: an event is a hint.
+	WatchEvents(*WatchEventsRequest, KVCacheService_WatchEventsServer) error
 	mustEmbedUnimplementedKVCacheServiceServer()
 }
 
@@ -195,6 +243,9 @@ func (UnimplementedKVCacheServiceServer) GetServerInfo(context.Context, *GetServ
 }
 func (UnimplementedKVCacheServiceServer) Session(KVCacheService_SessionServer) error {
 	return status.Errorf(codes.Unimplemented, "method Session not implemented")
+}
+func (UnimplementedKVCacheServiceServer) WatchEvents(*WatchEventsRequest, KVCacheService_WatchEventsServer) error {
+	return status.Errorf(codes.Unimplemented, "method WatchEvents not implemented")
 }
 func (UnimplementedKVCacheServiceServer) mustEmbedUnimplementedKVCacheServiceServer() {}
 
@@ -361,6 +412,27 @@ func (x *kVCacheServiceSessionServer) Recv() (*SessionRequest, error) {
 	return m, nil
 }
 
+func _KVCacheService_WatchEvents_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchEventsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(KVCacheServiceServer).WatchEvents(m, &kVCacheServiceWatchEventsServer{stream})
+}
+
+type KVCacheService_WatchEventsServer interface {
+	Send(*WatchEventsResponse) error
+	grpc.ServerStream
+}
+
+type kVCacheServiceWatchEventsServer struct {
+	grpc.ServerStream
+}
+
+func (x *kVCacheServiceWatchEventsServer) Send(m *WatchEventsResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
 var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "kvsvc.v1.KVCacheService",
 	HandlerType: (*KVCacheServiceServer)(nil),
@@ -400,6 +472,11 @@ var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 			Handler:       _KVCacheService_Session_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
+		},
+		{
+			StreamName:    "WatchEvents",
+			Handler:       _KVCacheService_WatchEvents_Handler,
+			ServerStreams: true,
 		},
 	},
 	Metadata: "kvsvc/v1/kv_cache_service.proto",
