@@ -32,7 +32,16 @@ install: $(VENV)/.installed native
 # only cc and libc headers (~1 s); without a compiler kvsvc runs the same loop in Python.
 # Built aside and renamed: a running server keeps the library it mapped.
 NATIVE_SO := kvsvc/server/data/native/libkvsvc_copy.so
-native: $(NATIVE_SO)
+# The presence index's table (a CPython extension: it reads lists of bytes in C);
+# without a compiler or Python's headers the client uses its Python table.
+PRESENCE_SO := kvsvc/client/native/_presence.so
+native: $(NATIVE_SO) $(PRESENCE_SO)
+$(PRESENCE_SO): kvsvc/client/native/presence.c
+	@inc=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])'); \
+	  if command -v $(CC) >/dev/null && [ -f "$$inc/Python.h" ]; then \
+	    echo "$(CC) -O3 -shared -fPIC -I$$inc -o $@ $<"; \
+	    $(CC) -O3 -Wall -Wextra -shared -fPIC -I"$$inc" -o $@.tmp $< && mv $@.tmp $@; \
+	  else echo "make: no C compiler ($(CC)) or Python.h: the presence index uses its Python table"; fi
 $(NATIVE_SO): kvsvc/server/data/native/copyloop.c
 	@if command -v $(CC) >/dev/null; then echo "$(CC) -O3 -shared -fPIC -o $@ $<"; \
 	  $(CC) -O3 -Wall -Wextra -shared -fPIC -o $@.tmp $< && mv $@.tmp $@; \

@@ -38,6 +38,7 @@ from kvsvc.client.calls import (
     Steps,
     Timeout,
 )
+from kvsvc.client.presence import STALE_AFTER_S, AsyncPresenceIndex, BatchCallback, PresenceIndex
 from kvsvc.client.session import AsyncSession, StreamStatus, SyncSession
 from kvsvc.client.tls import ClientTLS
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
@@ -253,6 +254,26 @@ class KVCacheClient(Core):
     get_many = _sync(calls.get_many)
     get = _sync(calls.get)
 
+    def presence(
+        self,
+        namespace: str,
+        *,
+        stale_after_s: float = STALE_AFTER_S,
+        on_batch: BatchCallback | None = None,
+    ) -> PresenceIndex:
+        """An index of which keys of ``namespace`` the server holds, answered from
+        local memory and kept current by the WatchEvents stream on a background
+        thread (kvsvc.client.presence); its answers are None (ask ``lookup``)
+        whenever it cannot prove them current within ``stale_after_s``.
+        ``on_batch`` is called on that thread with each batch once applied."""
+        return PresenceIndex(
+            self._channel,
+            self._metadata,
+            namespace,
+            stale_after_s=stale_after_s,
+            on_batch=on_batch,
+        )
+
     # --- drivers ---
     def _run(self, steps: Steps[R]) -> R:
         outcome: Outcome = (None, None)
@@ -456,6 +477,23 @@ class AsyncKVCacheClient(Core):
     put = _async(calls.put)
     get_many = _async(calls.get_many)
     get = _async(calls.get)
+
+    def presence(
+        self,
+        namespace: str,
+        *,
+        stale_after_s: float = STALE_AFTER_S,
+        on_batch: BatchCallback | None = None,
+    ) -> AsyncPresenceIndex:
+        """As :meth:`KVCacheClient.presence`, followed by tasks on the running loop
+        (call it inside the loop; ``async with`` or ``aclose()`` ends them)."""
+        return AsyncPresenceIndex(
+            self._channel,
+            self._metadata,
+            namespace,
+            stale_after_s=stale_after_s,
+            on_batch=on_batch,
+        )
 
     # --- drivers ---
     async def _run(self, steps: Steps[R]) -> R:

@@ -1,0 +1,8 @@
+"""The presence index's key table: the compiled one (``presence.c``, built by
+``make native``) where it was built, else :class:`PyTable` with the same answers."""
+
+from __future__ import annotations
+
+from kvsvc.client.native.table import NATIVE, KeyTable, PyTable, new_table
+
+__all__ = ["NATIVE", "KeyTable", "PyTable", "new_table"]
