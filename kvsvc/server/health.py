@@ -123,10 +123,31 @@ class Health:
         self.failure_time = 0.0
         self.shutting_down = False
         self.fatal_event = asyncio.Event()
+        #: what must be ready before SERVING (e.g. the disk tier's index); see hold
+        self.holds: set[str] = set()
+        self._started = False
 
     async def start(self) -> None:
+        self._started = True
+        status = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if self.holds
+            else health_pb2.HealthCheckResponse.SERVING
+        )
         for name in NAMES:
-            self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.servicer.set(name, status)
+
+    def hold(self, what: str) -> None:
+        """Keep health NOT_SERVING (from start) until ``release(what)``: a part the
+        operator asked to be ready before traffic comes (on the loop)."""
+        self.holds.add(what)
+
+    def release(self, what: str) -> None:
+        """``what`` is ready: SERVING once nothing else is held, unless failed or stopping."""
+        self.holds.discard(what)
+        if self._started and not self.holds and self.serving:
+            for name in NAMES:
+                self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     @property
     def serving(self) -> bool:

@@ -105,6 +105,8 @@ class Server:
             self.servicer.engine.shutdown()
             if self.servicer.remote is not None:
                 self.servicer.remote.close()
+            if self.servicer.disk is not None:
+                self.servicer.disk.close(1.0)
             health = config.network.health_listen
             raise ConfigError(
                 f"cannot listen on {config.network.listen}"
@@ -227,6 +229,9 @@ class Server:
             self.servicer.fds.close()
         if self.servicer.remote is not None:
             await self.servicer.remote.aclose()  # queued writes are dropped, counted
+        if self.servicer.disk is not None:  # queued disk writes finish within the grace
+            disk, left = self.servicer.disk, max(1.0, deadline - time.monotonic())
+            await asyncio.get_running_loop().run_in_executor(None, disk.close, left)
 
 
 def _bound(listen: str, port: int) -> str:

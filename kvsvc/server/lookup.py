@@ -13,6 +13,7 @@ from kvsvc.server.data.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.server.mappings import Mapper
 from kvsvc.server.metrics import Metrics
 from kvsvc.server.rpc import Call
+from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -33,6 +34,8 @@ class Lookups:
         self.mapper = mapper
         self.metrics = metrics
         self.start_id = start_id
+        #: the local disk tier (set by the servicer; None: no --disk-dir)
+        self.disk: DiskTier | None = None
 
     def Lookup(
         self, request: pb.LookupRequest, call: Call
@@ -49,9 +52,24 @@ class Lookups:
             # Redis is asked about inline chunks only: its keys name one layout.
             namespace, layout = check_namespace(request.namespace, call), INLINE_LAYOUT
             hits = self.store.lookup(namespace, keys, None)
+        if self.disk is not None and hits < len(keys):
+            hits = self._disk(namespace, layout, keys, hits)
         if self.remote is not None and hits < len(keys):
             return self._remote(namespace, layout, keys, hits)
         return self._response(hits, len(keys))
+
+    def _disk(self, namespace: str, layout: str, keys: list[bytes], hits: int) -> int:
+        """The local prefix, continued by the keys here or on disk (no coroutine: the
+        disk's index is in memory)."""
+        assert self.disk is not None
+        local = None if layout == INLINE_LAYOUT else layout  # as the local Lookup counts
+        for key in keys[hits:]:
+            if not (
+                self.disk.has(namespace, key, local) or self.store.lookup(namespace, [key], local)
+            ):
+                break
+            hits += 1
+        return hits
 
     async def _remote(
         self, namespace: str, layout: str, keys: list[bytes], hits: int
@@ -62,7 +80,11 @@ class Lookups:
         remote = await self.remote.present(namespace, layout, rest)
         local = None if layout == INLINE_LAYOUT else layout  # as the local Lookup counts
         for i, key in enumerate(rest):
-            if not ((i < len(remote) and remote[i]) or self.store.lookup(namespace, [key], local)):
+            if not (
+                (i < len(remote) and remote[i])
+                or self.store.lookup(namespace, [key], local)
+                or (self.disk is not None and self.disk.has(namespace, key, local))
+            ):
                 break
             hits += 1
         return self._response(hits, len(keys))

@@ -31,6 +31,7 @@ from kvsvc.server.mappings import Mapper
 from kvsvc.server.metrics import Metrics
 from kvsvc.server.rpc import LOGGER, Call, rpc
 from kvsvc.server.session import Sessions
+from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.server.transfers import Transfers
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -60,6 +61,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         if self.remote is not None:
             self.remote.start()
+        #: the local disk tier between memory and Redis (None: no --disk-dir)
+        self.disk = DiskTier(config, self.store, self.loop) if config.tiers.disk_dir else None
+        if self.disk is not None:
+            self.store.listeners.append(self.disk)
+            if config.tiers.disk_wait_index:
+                health.hold("disk_index")
+            self.disk.start(on_ready=lambda: health.release("disk_index"))
         self.engine = TransferEngine(config.data.transfer_threads, config.data.inline_copy_bytes)
         self.engine.on_fatal = self.fatal_threadsafe
         self.fds = self._fd_broker(config)
@@ -80,7 +88,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.transfers = Transfers(
             config, self.store, self.engine, self.remote, self.mapper, self.metrics, self.start_id
         )
+        self.transfers.disk = self.disk
         self.lookups = Lookups(self.store, self.remote, self.mapper, self.metrics, self.start_id)
+        self.lookups.disk = self.disk
         self.sessions = Sessions(self, self.loop)
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:

@@ -23,6 +23,7 @@ from kvsvc.server.data.transfer import Stream, TransferEngine, reply_budget
 from kvsvc.server.mappings import Mapper
 from kvsvc.server.metrics import Metrics
 from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -51,6 +52,8 @@ class Transfers:
         self.mapper = mapper
         self.metrics = metrics
         self.start_id = start_id
+        #: the local disk tier (set by the servicer; None: no --disk-dir)
+        self.disk: DiskTier | None = None
 
     def admit(self, call: Call) -> None:
         """A transfer within its tenant's quota (kvsvc.server.auth.Quota), else
@@ -139,6 +142,9 @@ class Transfers:
             nbytes = sum(c.size for c, _ in todo)
             loop_safe = all(side.loop_safe for _, side in todo)
             await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
+        if self.disk is not None and self.disk.waits_for_writes and todo:
+            # --disk-write through --disk-sync: the reply says the chunks are durable
+            await self.disk.durable([c.key for c, _ in todo], reply_budget(call.deadline))
         if evicted:  # every Store of a full cache evicts: the reply and metrics count it
             log.debug("store %s evicted %d chunks to make room", call.request_id, evicted)
         response = pb.StoreResponse()
@@ -186,6 +192,8 @@ class Transfers:
         namespace, layout, mapping_id, sides = self._sides(request, "target", call)
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
+        if self.disk is not None and len(chunks) < len(keys):
+            chunks = await self._load_from_disk(call, namespace, layout, keys, chunks)
         if self.remote is not None and len(chunks) < len(keys):
             return await self._retrieve_remote(call, namespace, layout, mapping_id, sides, chunks)
         try:
@@ -221,6 +229,26 @@ class Transfers:
             if isinstance(side, Inline):
                 result.chunks.add(key=key, data=bytes(side.out))
         return response
+
+    async def _load_from_disk(
+        self, call: Call, namespace: str, layout: str, keys: list[bytes], chunks: list[Chunk]
+    ) -> list[Chunk]:
+        """The prefix pinned again after the disk tier loaded what it holds of the
+        keys that follow it (within half the reply's budget; a miss otherwise)."""
+        assert self.disk is not None
+        try:
+            loaded = await self.disk.load(
+                namespace, layout, keys[len(chunks) :], reply_budget(call.deadline) / 2
+            )
+        except BaseException:
+            self.store.release(chunks)
+            raise
+        if not loaded:
+            return chunks
+        self.store.release(chunks)
+        chunks = self.store.acquire_prefix(namespace, keys, layout)
+        self.store.release(loaded)
+        return chunks
 
     async def _retrieve_remote(
         self,

@@ -109,7 +109,7 @@ class DataPlaneSettings:
 
 @dataclass(frozen=True)
 class TierSettings:
-    """The shared remote tier (Redis) behind the local store."""
+    """The tiers behind the memory store: local disk, then the shared remote tier (Redis)."""
 
     remote: str = setting(
         "off",
@@ -158,6 +158,46 @@ class TierSettings:
         "for one unless `tls-auth-clients no`)",
     )
     remote_tls_key: str = setting("", optional(), "PEM private key of `--remote-tls-cert`")
+    disk_dir: str = setting(
+        "",
+        optional(),
+        "directory of the local disk tier below memory (made if missing; must be writable): "
+        "chunks kept there survive restarts, and a memory miss it holds is loaded back",
+        note="off",
+    )
+    disk_capacity: int = setting(
+        10 * GiB,
+        parse_size,
+        "bytes of chunk files `--disk-dir` may hold; least recently used files are removed "
+        "beyond it",
+        shows=format_size,
+    )
+    disk_write: str = setting(
+        "through",
+        choice("through", "evict"),
+        "which chunks go to disk: `through` (every stored chunk, written behind the reply) "
+        "or `evict` (those memory evicts, copied out as they are evicted)",
+    )
+    disk_sync: bool = setting(
+        False,
+        boolean,
+        "fsync each chunk file and its directory before it counts as on disk; with "
+        "`--disk-write through` a Store's reply then waits (within its deadline) until its "
+        "chunks are durable",
+    )
+    disk_wait_index: bool = setting(
+        True,
+        boolean,
+        "health stays NOT_SERVING until the index of `--disk-dir` is rebuilt at start; off: "
+        "serve at once, disk hits growing as the index loads",
+    )
+    disk_queue_bytes: int = setting(
+        256 * MiB,
+        parse_size,
+        "bytes of chunks waiting to be written to disk (at most a quarter of the store); "
+        "beyond, writes are skipped and counted",
+        shows=format_size,
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,361 @@
+"""DiskTier, what the servicer calls: a store listener that sends chunks to disk
+(every committed one with --disk-write through, behind the reply; those memory
+evicts with ``evict``, copied out in the eviction itself, before the store can
+reuse their bytes), Lookup's and Retrieve's view of what the disk holds, the
+capacity (least recently used files removed), and its life: the directory
+checked at start (unwritable: a ConfigError naming it, exit 2), the index
+rebuilt on a thread (health held NOT_SERVING meanwhile with --disk-wait-index),
+the queue drained at stop.
+
+Best-effort like every tier: a full disk, an I/O error, a file deleted or
+truncated under the server are a skipped write or a miss (counted), never a
+failed call. Only the event loop touches the index and the counters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvsvc.server.config import ConfigError, ServerConfig
+from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
+from kvsvc.server.tiers.disk.format import encode_header, file_name
+from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
+from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
+from kvsvc.server.tiers.disk.writer import Write, Writer
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+log = logging.getLogger("kvsvc.server.tiers.disk")
+
+#: a full disk is logged at most this often (it is counted every time)
+FULL_LOG_EVERY_S = 60.0
+
+
+class EventSink(Protocol):
+    """The events stream's publishing side (kvsvc.server.events.EventLog)."""
+
+    def stored(
+        self, namespace: str, keys: Sequence[bytes], layout: str, nbytes: int, tier: int
+    ) -> None: ...
+
+    def removed(
+        self, namespace: str, keys: Sequence[bytes], layout: str, reason: int, tier: int
+    ) -> None: ...
+
+
+@dataclass
+class DiskStats:
+    """The tier's counters (read by tests and metrics)."""
+
+    writes: int = 0
+    bytes_written: int = 0
+    skipped_full: int = 0  # ENOSPC / EDQUOT: the write was skipped
+    skipped_queue: int = 0  # the write-behind queue was full
+    skipped_capacity: int = 0  # larger than --disk-capacity
+    write_errors: int = 0
+    evicted: int = 0  # files removed for room
+    hits: int = 0  # chunks loaded back into memory
+    bytes_read: int = 0
+    misses: int = 0  # chunks the disk listed and could not give back
+    load_refused: int = 0  # no room in memory to load into
+    load_late: int = 0  # loads that ended after their caller's budget
+    refused: dict[str, int] = field(default_factory=dict)  # files that did not check, by kind
+    index_seconds: float = 0.0
+    indexed_chunks: int = 0
+
+
+class DiskTier:
+    """One per server, when --disk-dir is set."""
+
+    def __init__(
+        self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        t = config.tiers
+        self.root = os.path.abspath(t.disk_dir)
+        self.capacity = t.disk_capacity
+        self.mode = t.disk_write
+        self.sync = t.disk_sync
+        self.store, self.loop = store, loop
+        self.index = Index()
+        self.ready = False
+        self.stats = DiskStats()
+        #: the events stream, when the server has one (announces TIER_DISK changes)
+        self.events: EventSink | None = None
+        self.pending_bytes = 0  # files being written (counted against the capacity)
+        self._writing: dict[ChunkKey, Write] = {}
+        self._waiters: dict[ChunkKey, asyncio.Future[bool]] = {}
+        self._full_logged = 0.0
+        self.writer = Writer(
+            self.root,
+            store,
+            loop,
+            self.sync,
+            min(t.disk_queue_bytes, store.capacity // 4),
+            self._written,
+        )
+        self.reader = Reader(self.root, store, loop)
+
+    # --- life ---
+    def start(self, on_ready: Callable[[], None]) -> None:
+        """Check the directory now (ConfigError if unusable), rebuild the index on a
+        thread; ``on_ready`` runs on the loop once it is in place."""
+        try:
+            prepare(self.root)
+        except OSError as exc:
+            raise ConfigError(
+                f"--disk-dir {self.root}: not a writable directory ({exc.strerror or exc})"
+            ) from None
+        self.writer.start()
+        threading.Thread(
+            target=self._rebuild, args=(on_ready,), name="kvsvc-disk-index", daemon=True
+        ).start()
+
+    def _rebuild(self, on_ready: Callable[[], None]) -> None:
+        try:
+            rebuilt: Rebuilt | None = rebuild(self.root)
+        except OSError:
+            log.exception("disk tier: the index of %s could not be read: starting empty", self.root)
+            rebuilt = None
+        try:
+            self.loop.call_soon_threadsafe(self._indexed, rebuilt, on_ready)
+        except RuntimeError:  # the loop closed meanwhile: the server is gone
+            return
+
+    def _indexed(self, rebuilt: Rebuilt | None, on_ready: Callable[[], None]) -> None:
+        """On the loop: the rebuilt index, with what was written meanwhile on top."""
+        if rebuilt is not None:
+            live = self.index
+            self.index = rebuilt.index
+            for key, entry in live.entries.items():
+                self.index.add(key, entry)
+            self.stats.index_seconds = rebuilt.seconds
+            for kind, n in rebuilt.refused.items():
+                self.stats.refused[kind] = self.stats.refused.get(kind, 0) + n
+            log.info(
+                "disk tier: %d chunks (%d bytes) in %s indexed in %.2f s; refused %s, %d "
+                "interrupted writes removed",
+                len(rebuilt.index),
+                self.index.used_bytes,
+                self.root,
+                rebuilt.seconds,
+                rebuilt.refused or "none",
+                rebuilt.temporaries,
+            )
+        self.stats.indexed_chunks = len(self.index)
+        self.ready = True
+        self._make_room(0)
+        if self.events is not None:
+            for (namespace, chunk_key, layout), entry in self.index.entries.items():
+                self.events.stored(namespace, [chunk_key], layout, entry.size, pb.TIER_DISK)
+        on_ready()
+
+    def contents(self) -> Iterator[tuple[ChunkKey, int]]:
+        """(chunk, bytes) of every chunk on disk (the events stream's snapshot)."""
+        for key, entry in self.index.entries.items():
+            yield key, entry.size
+
+    def close(self, timeout: float) -> None:
+        """Finish the queued writes (up to ``timeout`` s), then stop."""
+        self.writer.close(timeout)
+        self.reader.close()
+
+    # --- the store's listener ---
+    def stored(self, chunk: Chunk) -> None:
+        if self.mode == "through" and not self._known(chunk.key):
+            self._enqueue(chunk, None, bounded=not self.sync)
+
+    def removed(self, chunk: Chunk, reason: str) -> None:
+        if self.mode != "evict" or reason != "evicted" or self._known(chunk.key):
+            return
+        if not self.writer.has_room(chunk.size):
+            self.stats.skipped_queue += 1
+            return
+        # Copied now: once the store's reserve returns, these bytes are reused.
+        self._enqueue(chunk, bytes(self.store.buffer(chunk).view), bounded=True)
+
+    def _known(self, key: ChunkKey) -> bool:
+        """On disk or being written (a touch keeps it recent)."""
+        if key in self._writing:
+            return True
+        if self.index.get(key) is not None:
+            self.index.touch(key)
+            return True
+        return False
+
+    def _enqueue(self, chunk: Chunk, data: bytes | None, *, bounded: bool) -> None:
+        namespace, key, layout = chunk.key
+        w = Write(
+            chunk.key,
+            file_name(namespace, layout, key),
+            encode_header(namespace, layout, key, chunk.owner, chunk.size, chunk.digests),
+            chunk.size,
+            chunk.owner,
+            chunk=chunk if data is None else None,
+            data=data,
+        )
+        if w.file_bytes > self.capacity:
+            self.stats.skipped_capacity += 1
+            return
+        if bounded and not self.writer.has_room(w.size):
+            self.stats.skipped_queue += 1
+            return
+        self._make_room(w.file_bytes)  # removals are queued before this write
+        self.writer.put(w, bounded=False)
+        self._writing[w.key] = w
+        self.pending_bytes += w.file_bytes
+
+    def _make_room(self, need: int) -> None:
+        """Forget (and queue the removal of) the least recently used files beyond
+        the capacity."""
+        names: list[str] = []
+        for key, entry in self.index.oldest():
+            if self.index.used_bytes + self.pending_bytes + need <= self.capacity:
+                break
+            self.index.remove(key)
+            names.append(entry.name)
+            self.stats.evicted += 1
+            self._announce_removed(key, pb.REMOVAL_REASON_EVICTED)
+        self.writer.unlink(names)
+
+    def _written(self, w: Write, outcome: str) -> None:
+        """On the loop, after the writer thread is done with ``w``."""
+        self.pending_bytes -= w.file_bytes
+        self._writing.pop(w.key, None)
+        if outcome == "written":
+            self.index.add(w.key, Entry(w.name, w.size, w.file_bytes, w.owner))
+            self.stats.writes += 1
+            self.stats.bytes_written += w.size
+            if self.events is not None:
+                self.events.stored(w.key[0], [w.key[1]], w.key[2], w.size, pb.TIER_DISK)
+        elif outcome == "full":
+            self.stats.skipped_full += 1
+            now = time.monotonic()
+            if now - self._full_logged > FULL_LOG_EVERY_S:
+                self._full_logged = now
+                log.warning(
+                    "disk tier: %s is full; writes are skipped (memory keeps serving), %d so far",
+                    self.root,
+                    self.stats.skipped_full,
+                )
+        else:
+            self.stats.write_errors += 1
+        waiter = self._waiters.pop(w.key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome == "written")
+
+    async def durable(self, keys: Sequence[ChunkKey], budget: float) -> None:
+        """Wait (up to ``budget`` s) until the writes of ``keys`` now queued are done:
+        a Store with --disk-write through --disk-sync replies once its chunks are
+        durable. A skipped or failed write ends the wait too (the reply is the same:
+        the chunks are in memory)."""
+        waits = []
+        for key in keys:
+            if key in self._writing:
+                waiter = self._waiters.get(key)
+                if waiter is None:
+                    waiter = self._waiters[key] = self.loop.create_future()
+                waits.append(waiter)
+        if waits:
+            await asyncio.wait(waits, timeout=max(budget, 0.0))
+
+    @property
+    def waits_for_writes(self) -> bool:
+        return self.mode == "through" and self.sync
+
+    # --- Lookup and Retrieve ---
+    def has(self, namespace: str, key: bytes, layout: str | None) -> bool:
+        return self.index.has(namespace, key, layout)
+
+    async def load(
+        self, namespace: str, layout: str, keys: list[bytes], budget: float
+    ) -> list[Chunk]:
+        """Bring the leading ``keys`` memory lacks and the disk holds into the store,
+        within ``budget`` s: the chunks committed, read-pinned (the caller releases
+        them once it pinned its prefix). A miss, a refused reservation or the budget
+        spent: fewer (or none); a load that ends late still commits, unpinned."""
+        todo: list[tuple[bytes, Entry]] = []
+        for key in keys:
+            if self.store.get(namespace, key, layout) is not None:
+                continue
+            entry = self.index.get((namespace, key, layout))
+            if entry is None:
+                break
+            todo.append((key, entry))
+        if not todo:
+            return []
+        jobs = self.reader.reserve(namespace, layout, todo)
+        if jobs is None:
+            self.stats.load_refused += 1
+            return []
+        state = {"waiting": True}
+        settled: asyncio.Future[list[Chunk]] = self.loop.create_future()
+
+        def done(read: asyncio.Future[list[Outcome]]) -> None:
+            outcomes: list[Outcome] = []
+            if read.cancelled():
+                pass
+            elif read.exception() is not None:
+                log.error("disk tier: a load failed", exc_info=read.exception())
+            else:
+                outcomes = read.result()
+            settled.set_result(self._settle(jobs, outcomes, pin=state["waiting"]))
+
+        self.reader.read(jobs).add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(settled), max(budget, 0.0))
+        except BaseException as exc:
+            state["waiting"] = False
+            if settled.done():  # pinned for a caller that is gone
+                self.store.release(settled.result())
+            if isinstance(exc, TimeoutError):
+                self.stats.load_late += 1
+                return []
+            raise
+
+    def _settle(self, jobs: list[Job], outcomes: list[Outcome], *, pin: bool) -> list[Chunk]:
+        """Commit the loaded chunks in key order up to the first failure, free the
+        rest; forget (and quarantine) the files that failed."""
+        committed: list[Chunk] = []
+        ok = True
+        for i, job in enumerate(jobs):
+            chunk = job.chunk
+            digests, kind = outcomes[i] if i < len(outcomes) else (None, None)
+            if ok and digests is not None:
+                if self.store.commit(chunk, digests):  # else: another call's is there
+                    self.stats.hits += 1
+                    self.stats.bytes_read += chunk.size
+                    if pin:
+                        chunk.readers += 1
+                        committed.append(chunk)
+                self.index.touch(chunk.key)
+                continue
+            ok = False
+            self.store.abort(chunk)
+            if kind is not None:
+                self._drop(chunk.key, job.entry, kind)
+        return committed
+
+    def _drop(self, key: ChunkKey, entry: Entry, kind: str) -> None:
+        """A file that could not be read back: a miss, forgotten; quarantined unless
+        it is already gone."""
+        self.stats.misses += 1
+        self.stats.refused[kind] = self.stats.refused.get(kind, 0) + 1
+        if self.stats.refused[kind] == 1:
+            log.warning("disk tier: %s refused on load (%s): a miss; logged once", entry.name, kind)
+        if self.index.get(key) is entry:
+            self.index.remove(key)
+            gone = kind == "gone"
+            self._announce_removed(
+                key, pb.REMOVAL_REASON_TIER_DROPPED if gone else pb.REMOVAL_REASON_CHECK_FAILED
+            )
+        if kind != "gone" and key not in self._writing:
+            self.reader.run(quarantine, self.root, entry.name)
+
+    def _announce_removed(self, key: ChunkKey, reason: int) -> None:
+        if self.events is not None:
+            self.events.removed(key[0], [key[1]], key[2], reason, pb.TIER_DISK)

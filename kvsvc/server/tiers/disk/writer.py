@@ -1,0 +1,189 @@
+"""Write-behind to disk: a bounded queue (in bytes; a full queue skips the write
+and counts it, so no reply waits for the disk unless it asked to) drained by one
+writer thread, which also removes the files the capacity gives up (in queue
+order, so room is made before the write that needs it). Each file is written
+under a temporary name, flushed (fsynced with --disk-sync), renamed into place,
+and with --disk-sync its directory synced: a crash leaves either the old state or
+the whole new file, never a torn one at a final name."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
+from kvsvc.server.tiers.disk.format import TMP_DIR
+
+log = logging.getLogger("kvsvc.server.tiers.disk")
+
+#: errors that mean "the disk is full", not "the disk is broken"
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: written in pieces of at most this many bytes (a partial write continues)
+WRITE_PIECE = 8 << 20
+
+
+@dataclass
+class Write:
+    """One chunk file to write: its header and its bytes, either a read-pinned
+    store chunk (``chunk``) or bytes copied out of the store (``data``)."""
+
+    key: ChunkKey
+    name: str
+    header: bytes
+    size: int
+    owner: str
+    chunk: Chunk | None = None
+    data: bytes | None = None
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self.header) + self.size
+
+
+@dataclass
+class Unlink:
+    names: list[str]
+
+
+#: outcome of a write: "written", "full" (skipped: no space) or "error"
+Done = Callable[[Write, str], None]
+
+
+class Writer:
+    """The queue and its thread. ``done`` runs on the loop after each write."""
+
+    def __init__(
+        self,
+        root: str,
+        store: ChunkStore,
+        loop: asyncio.AbstractEventLoop,
+        sync: bool,
+        limit: int,
+        done: Done,
+    ) -> None:
+        self.root, self.store, self.loop, self.sync = root, store, loop, sync
+        self.limit = limit
+        self.queued_bytes = 0  # on the loop
+        self._done = done
+        self._queue: queue.Queue[Write | Unlink | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvsvc-disk-write", daemon=True)
+        self._closed = False
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def has_room(self, size: int) -> bool:
+        return not self._closed and self.queued_bytes + size <= self.limit
+
+    def put(self, write: Write, *, bounded: bool = True) -> bool:
+        """On the loop: queue ``write`` (pinning its chunk), or False when the queue
+        is full (``bounded``: a write a caller waits for is never turned away)."""
+        if self._closed or (bounded and not self.has_room(write.size)):
+            return False
+        self.queued_bytes += write.size
+        if write.chunk is not None:
+            write.chunk.readers += 1  # the store frees nothing the writer still reads
+        self.idle.clear()
+        self._queue.put(write)
+        return True
+
+    def unlink(self, names: list[str]) -> None:
+        if names:
+            self.idle.clear()
+            self._queue.put(Unlink(names))
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float) -> None:
+        """Stop after what is queued, waiting up to ``timeout`` s for it."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # --- the writer thread ---
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, Unlink):
+                for name in item.names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.root, name))
+            else:
+                outcome = self._write(item)
+                self._back(item, outcome)
+            if self._queue.empty():
+                self.idle.set()
+
+    def _back(self, write: Write, outcome: str) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
+            self.loop.call_soon_threadsafe(self._finish, write, outcome)
+
+    def _finish(self, write: Write, outcome: str) -> None:
+        self.queued_bytes -= write.size
+        if write.chunk is not None:
+            self.store.release([write.chunk])
+        self._done(write, outcome)
+
+    def _write(self, w: Write) -> str:
+        tmp = os.path.join(self.root, TMP_DIR, uuid.uuid4().hex)
+        final = os.path.join(self.root, w.name)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, memoryview(w.header), 0)
+                body = (
+                    memoryview(w.data) if w.data is not None else self.store.buffer(w.chunk).view  # type: ignore[arg-type]
+                )
+                _write_all(fd, body, len(w.header))
+                if self.sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp, final)
+            except FileNotFoundError:  # its subdirectory is new (or was removed)
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                if self.sync:
+                    _sync_dir(self.root)
+                os.rename(tmp, final)
+            if self.sync:
+                _sync_dir(os.path.dirname(final))
+            return "written"
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if exc.errno in FULL_ERRNOS:
+                return "full"
+            log.warning("disk tier: writing %s failed: %s", w.name, exc)
+            return "error"
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done : done + WRITE_PIECE], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
