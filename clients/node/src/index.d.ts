@@ -1,4 +1,4 @@
-// Types of the kvsvc Node.js client (src/index.js, src/errors.js).
+// Types of the kvsvc Node.js client (src/index.js, src/events.js, src/errors.js).
 import type { ChannelCredentials, ServiceError } from '@grpc/grpc-js';
 
 export type Bytes = Buffer | Uint8Array | string;
@@ -78,6 +78,78 @@ export interface ServerInfo {
   device: string;
 }
 
+export interface EventCursor {
+  /** The server_start_id of the incarnation the sequence belongs to. */
+  incarnation: string;
+  /** Sequence of the last event applied. */
+  sequence: number;
+}
+
+export interface StoredEvent {
+  namespace: string;
+  keys: Buffer[];
+  /** Layout fingerprint ("inline" for inline stores). */
+  layout: string;
+  bytes: number;
+  tier: 'TIER_UNSPECIFIED' | 'TIER_MEMORY' | 'TIER_REDIS' | 'TIER_DISK' | string;
+}
+
+export interface RemovedEvent {
+  namespace: string;
+  keys: Buffer[];
+  layout: string;
+  reason: 'REMOVAL_REASON_UNSPECIFIED' | 'REMOVAL_REASON_EVICTED' | 'REMOVAL_REASON_UNMAPPED'
+    | 'REMOVAL_REASON_OVERWRITTEN' | 'REMOVAL_REASON_CHECK_FAILED' | 'REMOVAL_REASON_TIER_DROPPED' | string;
+  tier: StoredEvent['tier'];
+}
+
+export interface ClearedEvent {
+  reason: 'CLEAR_REASON_UNSPECIFIED' | 'CLEAR_REASON_START' | 'CLEAR_REASON_FATAL' | 'CLEAR_REASON_OPERATOR' | string;
+}
+
+export type KVEvent =
+  | { kind: 'stored'; stored: StoredEvent }
+  | { kind: 'removed'; removed: RemovedEvent }
+  | { kind: 'cleared'; cleared: ClearedEvent };
+
+export interface EventBatch {
+  incarnation: string;
+  /** The last event's number; for snapshot batches, the snapshot point. */
+  sequence: number;
+  events: KVEvent[];
+  /** Drop everything known of the watched namespaces: snapshot batches follow. */
+  lost: boolean;
+  snapshot: boolean;
+  snapshotDone: boolean;
+  /** Where a caller that applied every batch so far stands; null inside a resync. */
+  cursor: EventCursor | null;
+}
+
+export interface WatchOptions {
+  /** Namespaces to follow; empty: every namespace the caller may see. */
+  namespaces?: string[];
+  /** Resume after this point; null/absent: `lost` and a snapshot first. */
+  cursor?: EventCursor | null;
+  /** Most keys in one snapshot batch (0: the server's default). */
+  snapshotPageKeys?: number;
+  /** Seconds for the stream's whole life (default: none). */
+  deadline?: number;
+  signal?: AbortSignal;
+  requestId?: string;
+}
+
+/** An open WatchEvents stream: `for await (const batch of watch)`. */
+export class EventWatch implements AsyncIterableIterator<EventBatch> {
+  /** Where the caller stands after the last batch handed out (null: resync from a snapshot). */
+  readonly cursor: EventCursor | null;
+  readonly requestId: string;
+  /** Ends the stream; an iteration in progress ends without an error. */
+  close(): void;
+  next(): Promise<IteratorResult<EventBatch>>;
+  return(): Promise<IteratorResult<EventBatch>>;
+  [Symbol.asyncIterator](): EventWatch;
+}
+
 export class KVClient {
   constructor(address: string, options?: ClientOptions);
   readonly address: string;
@@ -92,6 +164,8 @@ export class KVClient {
   fence(what: { mappingId?: string; transferIds?: string[] }, opts?: CallOptions): Promise<FenceResult>;
   serverInfo(opts?: CallOptions): Promise<ServerInfo>;
   healthCheck(service?: string, opts?: CallOptions): Promise<ServingStatus>;
+  /** Follow the server's stored/removed/cleared events (WatchEvents). */
+  watchEvents(opts?: WatchOptions): EventWatch;
   /** Any KVCacheService RPC, request in proto-loader form (camelCase, Buffers). */
   call(method: 'Map' | 'Unmap' | 'Store' | 'Retrieve' | 'Lookup' | 'Fence' | 'GetServerInfo',
     request?: Record<string, unknown>, opts?: CallOptions): Promise<any>;

@@ -12,6 +12,7 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 const errors = require('./errors');
 const { Session, FIELDS: SESSION_FIELDS } = require('./session');
+const { EventWatch, checkCursor } = require('./events');
 
 const { ENVELOPE_VERSION, fromGrpcError, fromRemoteError, ServiceUnavailable, Cancelled, DeadlineExceeded } = errors;
 
@@ -174,6 +175,7 @@ class KVClient {
     this.useSession = options.session !== false;
     this._session = null;
     this._closed = false;
+    this._watches = new Set();
     const { Session: method } = services.KVCacheService.service;
     this._sessionOptions = {
       serialize: method.requestSerialize,
@@ -190,10 +192,14 @@ class KVClient {
     });
   }
 
-  /** Close the session and the channel; calls in flight fail with Cancelled/ServiceUnavailable. */
+  /**
+   * Close the session, the event watches and the channel; calls in flight fail with
+   * Cancelled/ServiceUnavailable, watches' iterations end with Cancelled.
+   */
   close() {
     this._closed = true;
     this._session?.close();
+    for (const call of this._watches) call.cancel();
     this._stub.close();
   }
 
@@ -405,6 +411,52 @@ class KVClient {
   }
 
   /**
+   * Follow what the server holds (WatchEvents): an async iterator of event batches
+   * (`for await (const batch of client.watchEvents(...))`), each with the `cursor`
+   * to keep; pass it back as `cursor` to resume after a break. No cursor, or one the
+   * server can no longer serve, starts with a `lost` batch and a snapshot. The
+   * stream has no deadline unless `deadline` is given (seconds, for its whole life);
+   * it ends with a typed error, or quietly by `close()` or a `break`. On a closed
+   * client it throws Cancelled.
+   * @param {{namespaces?: string[], cursor?: {incarnation: string, sequence: number}|null,
+   *   snapshotPageKeys?: number, deadline?: number, signal?: AbortSignal, requestId?: string}} [opts]
+   * @returns {EventWatch}
+   */
+  watchEvents(opts = {}) {
+    const cursor = checkCursor(opts.cursor);
+    const namespaces = opts.namespaces ?? [];
+    if (!Array.isArray(namespaces) || namespaces.some((n) => typeof n !== 'string')) {
+      throw new TypeError('namespaces must be an array of strings');
+    }
+    const pageKeys = opts.snapshotPageKeys ?? 0;
+    if (!Number.isInteger(pageKeys) || pageKeys < 0 || pageKeys > 0xffffffff) {
+      throw new TypeError(`snapshotPageKeys must be an integer >= 0, got ${describe(pageKeys)}`);
+    }
+    const requestId = opts.requestId || crypto.randomBytes(16).toString('hex');
+    const req = {
+      header: { envelopeVersion: ENVELOPE_VERSION, requestId },
+      namespaces,
+      cursor,
+      snapshotPageKeys: pageKeys,
+    };
+    const callOpts = {};
+    if (opts.deadline !== undefined) {
+      callOpts.deadline = Date.now() + validateDeadline(opts.deadline, 'deadline') * 1000;
+    }
+    if (this._closed) {
+      throw new Cancelled('WatchEvents on a closed client', {
+        method: 'WatchEvents', requestId, reason: 'TRANSPORT_CANCELLED', metadata: { grpcCode: 'CANCELLED' },
+      });
+    }
+    const call = this._stub.WatchEvents(req, this._metadata(), callOpts);
+    if (opts.signal?.aborted) call.cancel();
+    this._watches.add(call);
+    return new EventWatch(call, {
+      requestId, cursor, signal: opts.signal, onEnd: () => this._watches.delete(call),
+    });
+  }
+
+  /**
    * grpc.health.v1 Check. `service` is "" (the whole server) or "kvsvc.v1.KVCacheService".
    * @returns {Promise<'SERVING'|'NOT_SERVING'|'UNKNOWN'|'SERVICE_UNKNOWN'>}
    */
@@ -421,6 +473,7 @@ class KVClient {
 
 module.exports = {
   KVClient,
+  EventWatch,
   validateDeadline,
   DEFAULT_TRANSFER_DEADLINE_S,
   DEFAULT_CONTROL_DEADLINE_S,
