@@ -87,11 +87,15 @@ def test_the_python_table_is_the_fallback_type() -> None:
 # --- the index's state machine (real protobufs, no stream) ---
 
 
-def _stored(keys: list[bytes], layout: str = "L", tier: int = pb.TIER_MEMORY) -> pb.KVEvent:
+def _stored(
+    keys: list[bytes], layout: str = "L", tier: pb.Tier.ValueType = pb.TIER_MEMORY
+) -> pb.KVEvent:
     return pb.KVEvent(stored=pb.StoredEvent(namespace="ns", keys=keys, layout=layout, tier=tier))
 
 
-def _removed(keys: list[bytes], layout: str = "L", tier: int = pb.TIER_MEMORY) -> pb.KVEvent:
+def _removed(
+    keys: list[bytes], layout: str = "L", tier: pb.Tier.ValueType = pb.TIER_MEMORY
+) -> pb.KVEvent:
     return pb.KVEvent(
         removed=pb.RemovedEvent(
             namespace="ns", keys=keys, layout=layout, tier=tier, reason=pb.REMOVAL_REASON_EVICTED
@@ -175,7 +179,7 @@ def test_an_error_batch_raises_its_typed_error() -> None:
 
     state = _State("ns", 1.0, None, None)
     err = pb.WatchEventsResponse()
-    err.error.code = 14
+    err.error.code = 14  # type: ignore[assignment]
     err.error.message = "not serving"
     err.error.reason = "NOT_SERVING"
     with pytest.raises(KVServiceError):
