@@ -49,7 +49,12 @@ def test_the_index_follows_stores_and_evictions_and_equals_lookup(make_server) -
             written += batch
             client.put("model-b", [(b"other-" + k, b"v") for k in batch[:2]])
             truth = _truth(client, written)
-            assert _eventually(lambda t=truth, w=list(written): index.hits(w) == t), (
+            keys = list(written)
+
+            def agrees(keys: list[bytes] = keys, truth: list[bool] = truth) -> bool:
+                return index.hits(keys) == truth
+
+            assert _eventually(agrees), (
                 f"round {round_}: index {index.hits(written)} != truth {truth}"
             )
         assert not all(_truth(client, written)), "capacity pressure evicted nothing"
