@@ -1,5 +1,6 @@
 // Package kvsvc is a thin Go client for kvsvc.v1.KVCacheService: inline
-// store/retrieve, lookup, fence, server info and grpc.health.v1 checks, with
+// store/retrieve, lookup, fence, the events stream (events.go), server info
+// and grpc.health.v1 checks, with
 // a deadline on every call and a typed error (see errors.go) for every
 // RemoteError and transport failure.
 package kvsvc
