@@ -4,7 +4,8 @@ RPC's response type and handler, every one run through the one wrapper
 (kvsvc.server.rpc). Where each RPC is handled: Map and Unmap in
 kvsvc.server.mappings; Store, Retrieve and Fence in kvsvc.server.transfers;
 Lookup in kvsvc.server.lookup; the Session stream in kvsvc.server.session;
-GetServerInfo here. Start, signals and stop: kvsvc.server.lifecycle."""
+the WatchEvents stream in kvsvc.server.events; GetServerInfo here. Start, signals
+and stop: kvsvc.server.lifecycle."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import torch
 from google.protobuf import timestamp_pb2
 
 from kvsvc import __version__
-from kvsvc.errors import ENVELOPE_VERSION, KVServiceError
+from kvsvc.errors import ENVELOPE_VERSION, KVServiceError, ServiceNotServing
 from kvsvc.server.config import ConfigError, ServerConfig, shm_owner_uids, socket_gid
 from kvsvc.server.data import fdbroker
 from kvsvc.server.data.store import ChunkStore
 from kvsvc.server.data.transfer import TransferEngine
+from kvsvc.server.events import EventLog, StoreEvents, Watchers
 from kvsvc.server.health import Health
 from kvsvc.server.lookup import Lookups
 from kvsvc.server.mappings import Mapper
@@ -55,6 +57,17 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.device = "cuda" if cuda else "cpu"
         self.store = ChunkStore(config.data.store_bytes, pin_memory=cuda)
         self.loop = asyncio.get_running_loop()
+        #: what became present or left, for WatchEvents (kvsvc.server.events)
+        self.events = EventLog(
+            self.start_id,
+            self.store,
+            self.loop,
+            ring_events=config.limits.events_ring,
+            ring_bytes=config.limits.events_ring_bytes,
+            remote_keys=config.limits.events_remote_keys,
+        )
+        self.store.listeners.append(StoreEvents(self.events))
+        self.watchers = Watchers(self.events, config.limits.events_snapshot_page)
         #: the shared tier behind the store (None: --remote off); checks its credentials
         self.remote = (
             RemoteTier(config, self.store, self.loop) if config.tiers.remote != "off" else None
@@ -117,6 +130,15 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         fast, callers of running copies get TransferUnprovable now."""
         self.health.fatal_now(exc.reason, exc.message)
         self.engine.fail(exc)
+        if self.events.ended is None:  # nothing held can be trusted: watchers drop it all
+            self.events.cleared(pb.CLEAR_REASON_FATAL)
+            self.events.end(
+                ServiceNotServing(
+                    f"this instance stopped serving after a fatal failure ({exc.reason}); "
+                    "restart it or use another",
+                    metadata={"failureReason": exc.reason},
+                )
+            )
 
     def fatal_threadsafe(self, exc: KVServiceError) -> None:
         """From any thread: queued copies stop starting at once, the loop does the rest."""
@@ -137,11 +159,18 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
 
     @property
     def sessions_open(self) -> int:
-        return self.sessions.open
+        """Session and WatchEvents streams still open."""
+        return self.sessions.open + self.events.watching
 
     def end_sessions(self) -> None:
-        """At shutdown, once copies are drained: every Session stream ends (Sessions.end)."""
+        """At shutdown, once copies are drained: every Session stream ends (Sessions.end),
+        and every WatchEvents stream with a SERVICE_NOT_SERVING error batch."""
         self.sessions.end()
+        self.events.end(
+            ServiceNotServing(
+                "this instance is shutting down", metadata={"failureReason": "SHUTTING_DOWN"}
+            )
+        )
 
     # --- RPCs: the wrapper, then the handler ---
     @rpc(pb.MapResponse)
@@ -179,8 +208,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def WatchEvents(  # type: ignore[override]  # answers by context.write
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        """The events stream (being built: kvsvc.server.events)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "WatchEvents is not served yet")
+        """Ordered batches of what became present or left (kvsvc.server.events)."""
+        await self.watchers.serve(request, context)
 
     @rpc(pb.GetServerInfoResponse)
     def GetServerInfo(self, request: pb.GetServerInfoRequest, call: Call) -> pb.GetServerInfoResult:

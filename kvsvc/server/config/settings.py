@@ -25,6 +25,7 @@ from kvsvc.server.config.values import (
     parse_size,
     port,
     positive_float,
+    positive_int,
     remote_url,
     shm_uids,
     size_or_off,
@@ -269,6 +270,30 @@ class LimitSettings:
         False,
         boolean,
         "exit non-zero after a fatal failure once in-flight copies are fenced",
+    )
+    events_ring: int = setting(
+        65536,
+        positive_int,
+        "most recent events the WatchEvents ring keeps for watchers to resume from; a "
+        "cursor older than the ring gets `lost` and a snapshot",
+    )
+    events_ring_bytes: int = setting(
+        64 * MiB,
+        parse_size,
+        "most bytes of server memory the WatchEvents ring holds (keys included)",
+        shows=format_size,
+    )
+    events_snapshot_page: int = setting(
+        4096,
+        int_up_to(65536),
+        "keys in one WatchEvents snapshot batch (a request may ask for up to 16 times as "
+        "many); also the most keys in one live batch",
+    )
+    events_remote_keys: int = setting(
+        1_000_000,
+        positive_int,
+        "remote-tier keys this server remembers having announced as stored (what a "
+        "snapshot says of that tier); beyond, the oldest are announced removed",
     )
 
 

@@ -123,6 +123,10 @@ class ChunkStore:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    def chunks(self) -> list[Chunk]:
+        """The committed chunks now, least recently used first (a snapshot's point)."""
+        return list(self._chunks.values())
+
     def get(self, namespace: str, key: bytes, layout: str) -> Chunk | None:
         return self._chunks.get((namespace, key, layout))
 
