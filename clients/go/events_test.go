@@ -4,7 +4,8 @@ package kvsvc
 // arrive and the index they feed equals Lookup; a cursor resumes from the ring;
 // a cursor of another incarnation, or one the ring dropped, gets lost, a paged
 // snapshot of what is present, then live events with no gap and no duplicate;
-// the stream ends with typed errors.
+// the stream ends with typed errors; after a kill -9 the next incarnation
+// answers the kept cursor with lost + snapshot.
 
 import (
 	"context"
@@ -17,6 +18,7 @@ import (
 	"reflect"
 	"sort"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -495,4 +497,34 @@ func TestEventsTypedErrors(t *testing.T) {
 	tf := follow(t, ts)
 	tf.until(t, "the end of a timed stream", func(f *feed) bool { return f.ended })
 	expect(t, tf.err, "DeadlineExceeded")
+
+	// kill -9: the stream ends with ServiceUnavailable; the next incarnation answers
+	// the kept cursor with lost and a snapshot of what it holds, then live events.
+	kept := mine.s.Cursor()
+	if kept == nil {
+		t.Fatal("no cursor after the tenant's events")
+	}
+	if err := syscall.Kill(authed.cmd.Process.Pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	mine.until(t, "the end of the stream after kill -9", func(f *feed) bool { return f.ended })
+	expect(t, mine.err, "ServiceUnavailable")
+	next := startServer(t, "")
+	again := newClient(t, next.addr, Options{})
+	if _, err := again.Store(ctx, "n", []Chunk{{Key: []byte("before"), Data: []byte("v")}}); err != nil {
+		t.Fatal(err)
+	}
+	resync := watch(t, ctx, again, WatchOptions{Cursor: kept})
+	resync.until(t, "the snapshot of the new incarnation", snapshotDone)
+	if !resync.all()[0].GetLost() || resync.s.Cursor().Incarnation == kept.Incarnation {
+		t.Fatalf("a cursor of the last incarnation: %v, cursor %+v", resync.all()[0], resync.s.Cursor())
+	}
+	if got := resync.keys("n"); !reflect.DeepEqual(got, []string{hex.EncodeToString([]byte("before"))}) {
+		t.Fatalf("the new incarnation's snapshot: %v", got)
+	}
+	if _, err := again.Store(ctx, "n", []Chunk{{Key: []byte("after"), Data: []byte("v")}}); err != nil {
+		t.Fatal(err)
+	}
+	after := hex.EncodeToString([]byte("after"))
+	resync.until(t, "a live event", func(f *feed) bool { return f.index["n"][after] })
 }

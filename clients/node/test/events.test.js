@@ -3,7 +3,8 @@
 // events arrive and an index fed by them equals what Lookup says; a cursor resumes
 // from the ring; a cursor of another incarnation, or one the ring dropped, gets
 // `lost`, a paged snapshot of what is present, then live events with no gap and no
-// duplicate; the stream ends with typed errors.
+// duplicate; the stream ends with typed errors; after a kill -9 the next
+// incarnation answers the kept cursor with lost + snapshot.
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const crypto = require('node:crypto');
@@ -209,7 +210,7 @@ test('a cursor resumes from the ring; a foreign or dropped one gets lost + snaps
   assert.deepEqual(feed.keys(ns), await present(client, ns, [...k1, ...k2, ...k3, ...k4].map((c) => c.key)));
 });
 
-test('the stream ends with typed errors: NOT_SERVING, Unauthenticated, refused, aborted', async (t) => {
+test('the stream ends with typed errors: NOT_SERVING, Unauthenticated, refused, aborted, killed', async (t) => {
   // A fatal failure: the watcher's stream ends with the server's error, not in silence.
   const server = await startServer({ failpoints: 'transfer.before_copy=raise' });
   const client = new kv.KVClient(server.address);
@@ -263,4 +264,25 @@ test('the stream ends with typed errors: NOT_SERVING, Unauthenticated, refused, 
   closed.close();
   assert.throws(() => closed.watchEvents({}), kv.Cancelled);
   assert.throws(() => right.watchEvents({ cursor: { incarnation: 'x', sequence: -1 } }), TypeError);
+
+  // kill -9: the stream ends with ServiceUnavailable; the next incarnation answers
+  // the kept cursor with lost and a snapshot of what it holds, then live events.
+  const kept = mine.watch.cursor;
+  assert.ok(kept);
+  authed.kill();
+  await mine.until((f) => f.error !== undefined, 'the end of the stream after kill -9').catch(() => {});
+  assert.equal(mine.error?.constructor, kv.ServiceUnavailable, `ServiceUnavailable, got ${mine.error}`);
+  const next = await startServer();
+  t.after(() => next.stop());
+  const again = new kv.KVClient(next.address);
+  t.after(() => again.close());
+  await again.store('n', [{ key: 'before', data: 'v' }]);
+  const resync = follow(again.watchEvents({ cursor: kept }));
+  t.after(() => resync.watch.close());
+  await resync.until((f) => f.batches.some((b) => b.snapshotDone), 'the snapshot of the new incarnation');
+  assert.equal(resync.batches[0].lost, true, 'a cursor of the last incarnation is lost');
+  assert.notEqual(resync.watch.cursor.incarnation, kept.incarnation);
+  assert.deepEqual(resync.keys('n'), [hex(Buffer.from('before'))]);
+  await again.store('n', [{ key: 'after', data: 'v' }]);
+  await resync.until((f) => f.index.get('n')?.has(hex(Buffer.from('after'))), 'a live event');
 });
