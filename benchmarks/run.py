@@ -13,6 +13,7 @@ Sections (each runs in this process tree; servers are child processes):
 5. memory: server RSS vs store capacity, and drift over a soak (benchmarks/memory.py);
 6. GPU: pinned H2D/D2H through the service vs copy_ (benchmarks/gpu.py; skipped
    without a GPU);
+7. events: the WatchEvents stream and the presence index (benchmarks/events.py);
 then, for each goal missed, a py-spy profile of the server under that load
 (benchmarks/profile_server.py; skipped, with the reason printed, where py-spy
 cannot attach). Writes results.md, results.json and PNG plots into --out; exits
@@ -39,10 +40,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import control_plane, data_plane, gpu, lookup_cost, memory, profile_server
+from benchmarks import control_plane, data_plane, events, gpu, lookup_cost, memory, profile_server
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
 
-SECTIONS = ("data", "control", "faults", "memory", "gpu", "profile")
+SECTIONS = ("data", "control", "faults", "memory", "gpu", "events", "profile")
 WELL_UNDER = 0.5  # "p99 well under LMCache's gRPC transport": at most half of it
 
 
@@ -424,6 +425,7 @@ def main() -> int:
         + (1 if "faults" in only else 0)
         + (len(memory.capacities(quick, smoke)) + 1 if "memory" in only else 0)
         + (gpu_cases if "gpu" in only else 0)
+        + (len(events.SECTIONS) if "events" in only else 0)
     )
     progress = Progress(steps, "kvsvc bench")
     progress.log(f"machine: {machine_line(info)}")
@@ -468,6 +470,14 @@ def main() -> int:
             return
         results["gpu"] = gpu.run(quick=quick, smoke=smoke, progress=progress)
 
+    def do_events() -> None:
+        results["events"] = {}
+        for name, fn in events.SECTIONS.items():  # each prints its figures
+            try:
+                results["events"][name] = fn(size_of(args))
+            finally:
+                progress.step(f"events {name}")
+
     def do_profile() -> None:
         ok, why = profile_server.can_profile()
         if not ok:
@@ -506,6 +516,7 @@ def main() -> int:
     section("faults", do_faults)
     section("memory", do_memory)
     section("gpu", do_gpu)
+    section("events", do_events)
     section("profile", do_profile)
     progress.close()
 
