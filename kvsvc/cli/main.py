@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "demo":
         from kvsvc.cli.demo import run_demo
+        from kvsvc.server.auth import warn_if_exposed
 
         setup_logging("WARNING", "text")
         try:
@@ -104,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"kvsvc demo: {exc}", file=sys.stderr)
             return 2
+        if args.token_file:
+            warn_if_exposed(args.token_file, "--token-file")
         return run_demo(
             args.target, args.shm_dir, memfd=args.memfd, fd_socket=args.fd_socket, token=token
         )

@@ -21,16 +21,20 @@ token gets the same UNAUTHENTICATED answer, which says nothing of what exists.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import datetime
 import hashlib
 import hmac
+import inspect
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +43,7 @@ from typing import Any
 import grpc
 
 from kvsvc.errors import BoundedLog, PermissionDenied
+from kvsvc.server.credentials import GRANT, Credentials, OpenStreams
 
 log = logging.getLogger("kvsvc.server.auth")
 
@@ -48,6 +53,10 @@ _TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MIN_TOKEN_CHARS = 22
 AUTH_LOG_INTERVAL_S = 10.0
 UNAUTHENTICATED_MESSAGE = "missing, unknown or expired credentials"
+#: How long a revoked Session may take to answer the requests it is running.
+REVOKE_DRAIN_S = 0.5
+#: Bound on waiting for a stream's handler to end once cancelled.
+CANCEL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,8 @@ DEFAULT_TENANT = Tenant("default", default=True)
 TENANT: contextvars.ContextVar[Tenant] = contextvars.ContextVar("kvsvc_tenant")
 #: the one stream whose messages are calls of their own (kvsvc.server.servicer.Session)
 SESSION_METHOD = "/kvsvc.v1.KVCacheService/Session"
+#: the events stream (kvsvc.server.events): its handler reads current_tenant()
+WATCH_EVENTS_METHOD = "/kvsvc.v1.KVCacheService/WatchEvents"
 
 
 def current_tenant() -> Tenant:
@@ -115,6 +126,8 @@ class Tables:
     tokens: Mapping[bytes, _Token]
     certs: Mapping[str, Tenant]
     tenants: Mapping[str, Tenant]
+    #: how many tokens the file holds in plaintext ("token", not "sha256")
+    plaintext: int = 0
 
 
 def _expiry(value: object, where: str) -> float:
@@ -144,6 +157,7 @@ def parse_tables(data: object) -> Tables:
     tokens: dict[bytes, _Token] = {}
     certs: dict[str, Tenant] = {}
     tenants: dict[str, Tenant] = {}
+    plaintext = 0
     for name, spec in data["tenants"].items():
         where = f"tenant {name!r}"
         if not _TENANT_NAME.match(name):
@@ -193,6 +207,7 @@ def parse_tables(data: object) -> Tables:
                         "(128 random bits: e.g. secrets.token_hex(16) in Python)"
                     )
                 digest = _digest(token)
+                plaintext += 1
             elif isinstance(entry.get("sha256"), str):
                 try:
                     digest = bytes.fromhex(entry["sha256"])
@@ -209,7 +224,7 @@ def parse_tables(data: object) -> Tables:
             if not isinstance(cert, str) or cert in certs:
                 raise TenantFileError(f"{where}: cert name {cert!r} is not a new string")
             certs[cert] = tenant
-    return Tables(tokens, certs, tenants)
+    return Tables(tokens, certs, tenants, plaintext)
 
 
 def load_tables(path: str) -> Tables:
@@ -225,7 +240,8 @@ def load_tables(path: str) -> Tables:
 
 class Authenticator:
     """Resolves a call's credentials to a tenant. ``reload`` swaps the tables in one
-    assignment, so a call in progress sees the old tables or the new, never a mix."""
+    assignment, so a call in progress sees the old tables or the new, never a mix;
+    the streams open under the old tables are then re-checked (``streams``)."""
 
     def __init__(self, token_file: str, *, client_certs: bool) -> None:
         self.token_file = token_file
@@ -234,9 +250,14 @@ class Authenticator:
         self.tables = load_tables(token_file) if token_file else Tables({}, {}, {})
         self.failures = BoundedLog(log, AUTH_LOG_INTERVAL_S)
         self.on_failure: Callable[[str], None] = lambda reason: None
+        #: Session and WatchEvents streams, ended when their credentials stop resolving
+        self.streams: OpenStreams[Tenant] = OpenStreams(self.resolve)
+        if self.tables.plaintext:
+            warn_if_exposed(token_file, "--auth-token-file", f"{self.tables.plaintext} plaintext")
 
     def reload(self) -> bool:
-        """Re-read the tenant file (SIGHUP); a bad file keeps the tables in force."""
+        """Re-read the tenant file (SIGHUP); a bad file keeps the tables in force.
+        Open streams whose token is gone or expired end (UNAUTHENTICATED)."""
         if not self.token_file:
             return False
         try:
@@ -248,44 +269,82 @@ class Authenticator:
         log.info(
             "tenant file reloaded: %d tenants, %d tokens", len(tables.tenants), len(tables.tokens)
         )
+        self.streams.recheck()
         return True
+
+    @staticmethod
+    def credentials(
+        metadata: Iterable[tuple[str, str | bytes]] | None, cert_names: Iterable[bytes]
+    ) -> Credentials:
+        """What a call presents, kept as the token's digest (b"": a malformed header)."""
+        for key, value in metadata or ():
+            if key == "authorization":
+                bearer = value.decode() if isinstance(value, bytes) else value
+                scheme, _, token = bearer.partition(" ")
+                if scheme.lower() != "bearer" or not token.strip():
+                    return Credentials(b"", ())
+                return Credentials(_digest(token.strip()), ())
+        return Credentials(None, tuple(n.decode(errors="replace") for n in cert_names))
+
+    def resolve(self, creds: Credentials) -> tuple[Tenant | None, str, float]:
+        """(tenant, '', expiry) or (None, why, 0) against the tables in force now --
+        why goes to the log and metrics, never the caller."""
+        tables = self.tables
+        if creds.digest is not None:
+            if not creds.digest:
+                return None, "malformed", 0.0
+            entry = tables.tokens.get(creds.digest)
+            # The dict finds the entry by digest; the compare is constant-time anyway.
+            if entry is None or not hmac.compare_digest(entry.digest, creds.digest):
+                return None, "unknown", 0.0
+            if entry.expires <= time.time():
+                return None, "expired", 0.0
+            return entry.tenant, "", entry.expires
+        if creds.cert_names:
+            for name in creds.cert_names:
+                tenant = tables.certs.get(name)
+                if tenant is not None:
+                    return tenant, "", math.inf
+            if not self.token_file:
+                return DEFAULT_TENANT, "", math.inf
+            return None, "certificate-unlisted", 0.0
+        return None, "missing", 0.0
 
     def identify(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, cert_names: Iterable[bytes]
     ) -> tuple[Tenant | None, str]:
         """(tenant, '') or (None, why) — why goes to the log and metrics, never the caller."""
-        tables = self.tables
-        bearer = None
-        for key, value in metadata or ():
-            if key == "authorization":
-                bearer = value.decode() if isinstance(value, bytes) else value
-                break
-        if bearer is not None:
-            scheme, _, token = bearer.partition(" ")
-            if scheme.lower() != "bearer" or not token:
-                return None, "malformed"
-            digest = _digest(token.strip())
-            entry = tables.tokens.get(digest)
-            # The dict finds the entry by digest; the compare is constant-time anyway.
-            if entry is None or not hmac.compare_digest(entry.digest, digest):
-                return None, "unknown"
-            if entry.expires <= time.time():
-                return None, "expired"
-            return entry.tenant, ""
-        names = [n.decode(errors="replace") for n in cert_names]
-        if names:
-            for name in names:
-                tenant = tables.certs.get(name)
-                if tenant is not None:
-                    return tenant, ""
-            if not self.token_file:
-                return DEFAULT_TENANT, ""
-            return None, "certificate-unlisted"
-        return None, "missing"
+        tenant, why, _ = self.resolve(self.credentials(metadata, cert_names))
+        return tenant, why
 
     def refuse(self, why: str, peer: str) -> None:
         self.on_failure(why)
         self.failures.warning("unauthenticated call from %s refused (%s)", peer, why)
+
+
+def warn_if_exposed(path: str, flag: str, what: str = "a plaintext") -> bool:
+    """One warning line when ``path`` holds plaintext tokens and its mode lets group
+    or others read it (True then): anyone on the host could take the credential."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if not mode & (stat.S_IRGRP | stat.S_IROTH):
+        return False
+    log.warning(
+        "%s %s holds %s token(s) and is readable by %s (mode %03o): chmod 600 it%s",
+        flag,
+        path,
+        what,
+        "group and others"
+        if mode & stat.S_IRGRP and mode & stat.S_IROTH
+        else "group"
+        if mode & stat.S_IRGRP
+        else "others",
+        mode & 0o777,
+        ", or list sha256 digests instead of tokens" if flag == "--auth-token-file" else "",
+    )
+    return True
 
 
 def _cert_names(context: grpc.aio.ServicerContext) -> list[bytes]:
@@ -297,7 +356,9 @@ def _cert_names(context: grpc.aio.ServicerContext) -> list[bytes]:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Every call on the main port: credentials, or UNAUTHENTICATED before any handler
-    runs. Unary calls run with their tenant in :data:`TENANT`."""
+    runs. Unary calls run with their tenant in :data:`TENANT`; Session and
+    WatchEvents streams too, and end when their credentials stop resolving
+    (:meth:`_hold`)."""
 
     def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
@@ -310,6 +371,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is not None and handler_call_details.method == SESSION_METHOD:
             return self._session(handler)
+        if handler is not None and handler_call_details.method == WATCH_EVENTS_METHOD:
+            return self._watch(handler)
         if handler is None or handler.unary_unary is None:
             return self._streaming(handler, handler_call_details)
         inner = handler.unary_unary
@@ -330,21 +393,75 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def _session(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The Session stream carries Lookup/Store/Retrieve/Fence: it is identified as
-        a unary call is, and every request it carries runs as that tenant."""
+        a unary call is, every request it carries runs as the tenant its token names
+        in the tables in force when the request is read (kvsvc.server.session checks
+        :data:`GRANT`), and it ends when the token is revoked or expires."""
         inner = handler.stream_stream
-        auth = self.auth
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            tenant, why = auth.identify(context.invocation_metadata(), _cert_names(context))
-            if tenant is None:
-                auth.refuse(why, context.peer())
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-            # Not reset: the stream's task ends with it, and the tasks its requests run
-            # in copy this context when they are made.
-            TENANT.set(tenant)  # type: ignore[arg-type]  # abort raised if None
-            await inner(requests, context)  # it answers by context.write
+            await self._hold(context, False, lambda: inner(requests, context))
 
         return handler._replace(stream_stream=behavior)  # type: ignore[attr-defined,no-any-return]
+
+    def _watch(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """WatchEvents, a unary-stream call: its handler runs as its tenant
+        (``current_tenant()``) and the stream ends when the token is revoked or
+        expires, or (UNAVAILABLE, to reopen) when the tenant's namespaces change."""
+        inner = handler.unary_stream
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._hold(context, True, lambda: _written(inner(request, context), context))
+
+        return handler._replace(unary_stream=behavior)  # type: ignore[attr-defined,no-any-return]
+
+    async def _hold(
+        self,
+        context: grpc.aio.ServicerContext,
+        watch: bool,
+        run: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Authenticate a stream, run it as its tenant, and end it with its grant:
+        revoked, the stream stops reading (a Session answers the requests it is
+        running, for up to REVOKE_DRAIN_S) and ends UNAUTHENTICATED. A Session with
+        a request still running after that ends UNAVAILABLE instead, so the client
+        reports that request's outcome as unknown, never as "nothing ran"."""
+        auth = self.auth
+        creds = auth.credentials(context.invocation_metadata(), _cert_names(context))
+        tenant, why, expires = auth.resolve(creds)
+        if tenant is None:
+            auth.refuse(why, context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        assert tenant is not None  # abort raised
+        grant = auth.streams.open(creds, tenant, expires, watch=watch)
+        # Not reset: the stream's task ends with it, and the tasks it makes (the
+        # Session's reader and requests) copy this context when they are made.
+        TENANT.set(tenant)
+        GRANT.set(grant)
+        task = asyncio.get_running_loop().create_task(_awaited(run))
+        try:
+            await asyncio.wait((task, grant.ended), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # revoked: its stops ran; a Session answers what runs
+                await asyncio.wait((task,), timeout=0 if watch else REVOKE_DRAIN_S)
+        finally:
+            auth.streams.close(grant)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,), timeout=CANCEL_WAIT_S)
+        if not grant.revoked:
+            return task.result()  # its own end, or its own error (an abort raises)
+        code, why = grant.ended.result()
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            auth.refuse(why, context.peer())
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            task.result()  # the stream's own failure came first: it stands
+        if not watch and not (task.done() and not task.cancelled()):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{UNAUTHENTICATED_MESSAGE}: the stream ended with a request still running",
+            )
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            await context.abort(code, UNAUTHENTICATED_MESSAGE)
+        await context.abort(code, f"{why}: watch again")
 
     def _streaming(
         self, handler: grpc.RpcMethodHandler | None, details: grpc.HandlerCallDetails
@@ -373,6 +490,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+async def _awaited(run: Callable[[], Awaitable[None]]) -> None:
+    await run()
+
+
+async def _written(answer: Any, context: grpc.aio.ServicerContext) -> None:
+    """A unary-stream handler's answers, whether it writes them itself (a coroutine)
+    or yields them (an async generator): the wrapper must be one coroutine to race
+    it with its grant."""
+    if inspect.isasyncgen(answer):
+        async for message in answer:
+            await context.write(message)
+    elif inspect.isawaitable(answer):
+        await answer
 
 
 #: `kvsvc init-auth` writes the token beside the tenant file under this name.

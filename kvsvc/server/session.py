@@ -14,7 +14,9 @@ import grpc
 from kvsvc.errors import NO_TRANSFER, KVServiceError, Unparsed, to_remote_error
 from kvsvc.framing import SESSION_BATCH, batched, speaks_batches
 from kvsvc.ids import new_request_id
+from kvsvc.server.auth import TENANT
 from kvsvc.server.checks import oneof
+from kvsvc.server.credentials import GRANT
 from kvsvc.server.eager import eager
 from kvsvc.server.rpc import LOGGER
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -58,7 +60,11 @@ class Sessions:
         together in the next message when the client speaks batches (one message per
         answer is most of a Lookup's cost). When the stream ends, pending requests are
         cancelled as a unary call whose client went away would be (a started copy
-        stays tracked for Fence)."""
+        stays tracked for Fence). Under authentication every request is checked
+        against the stream's grant when it is read (kvsvc.server.credentials): it runs
+        as the tenant its token names in the tables in force; once the token is
+        revoked or expired the reader stops, and the requests not run are answered
+        by the stream's UNAUTHENTICATED status (kvsvc.server.auth ends it)."""
         # Sent at once: a client writes no request before it knows the server has
         # this RPC (an older server's UNIMPLEMENTED then never races a write).
         await context.send_initial_metadata(((SESSION_BATCH, "1"),))
@@ -70,6 +76,7 @@ class Sessions:
         pending: set[asyncio.Task[None]] = set()
         ended = self.loop.create_future()
         waiting = [False]  # the reader waits for the next request (``stop`` may cut it)
+        grant = GRANT.get()
 
         async def flush() -> None:
             """Whoever finds nobody writing writes everything posted, its own and what
@@ -109,6 +116,12 @@ class Sessions:
                 finally:
                     waiting[0] = False
                 for i, request in enumerate(_unbatched(message), 1):
+                    if grant is not None:
+                        tenant = grant.check()
+                        if tenant is None:
+                            break  # revoked: this request and the rest do not run
+                        if tenant is not TENANT.get(None):  # the reloaded file's grants
+                            TENANT.set(tenant)
                     done, value, ctx = eager(self._request(request, context))
                     if done:
                         outbox.append(value)
@@ -121,7 +134,7 @@ class Sessions:
                         await flush()
                         await asyncio.sleep(0)
                 await flush()
-                if self._ending:
+                if self._ending or (grant is not None and grant.revoked):
                     return
 
         def stop() -> None:
@@ -132,6 +145,8 @@ class Sessions:
         reader = self.loop.create_task(read())
         reader.add_done_callback(finished)
         self._stops.add(stop)
+        if grant is not None:
+            grant.stops.append(stop)
         try:
             await ended
         finally:

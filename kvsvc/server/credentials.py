@@ -1,0 +1,188 @@
+"""Credentials of long-lived streams, kept true as they change.
+
+A Session or WatchEvents stream is authenticated once, when it opens, but lives
+for hours: a token revoked by a tenant file reload (SIGHUP) or one that expires
+must not keep working on it. Each such stream holds a :class:`Grant` (the
+credentials it was opened with, as a digest, never the token) in
+:class:`OpenStreams`, which re-checks every open grant when the tables change and
+at the earliest expiry among them (one timer for all streams: no polling per
+stream). A grant that no longer resolves to its tenant is revoked: its stream
+stops taking requests and ends with UNAUTHENTICATED (kvsvc.server.auth's
+interceptor does the ending; kvsvc.server.session checks the grant per request,
+so no request is served in the moment between expiry and the timer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+
+log = logging.getLogger("kvsvc.server.auth")
+
+#: A timer armed further ahead than this re-arms then (a wall clock that jumps is
+#: caught within this bound).
+MAX_TIMER_S = 60.0
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a call presented: a bearer token's SHA-256 (None: no token; b"": a
+    malformed header) and the names of its verified client certificate."""
+
+    digest: bytes | None
+    cert_names: tuple[str, ...]
+
+
+class Named(Protocol):
+    """What a grant needs of kvsvc.server.auth's Tenant (which imports this module)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def namespaces(self) -> tuple[str, ...]: ...
+
+
+Tenant = TypeVar("Tenant", bound=Named)
+
+
+@dataclass(eq=False)
+class Grant(Generic[Tenant]):
+    """One open stream's credentials and the tenant they resolved to. ``watch``:
+    the stream's view was fixed at open (WatchEvents filters by the tenant's grants
+    then), so a tenant whose namespaces change ends it too, to reopen with the new
+    view; a Session re-reads ``tenant`` per request instead."""
+
+    credentials: Credentials
+    tenant: Tenant
+    expires: float
+    watch: bool
+    #: done once revoked: (status code, why) -- the interceptor ends the stream with it
+    ended: asyncio.Future[tuple[grpc.StatusCode, str]]
+    #: what the stream does to stop reading at once (kvsvc.server.session's stop)
+    stops: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def revoked(self) -> bool:
+        return self.ended.done()
+
+    def check(self) -> Tenant | None:
+        """The tenant a request on this stream runs as now; None once revoked or
+        expired (the stream then ends: do not serve the request)."""
+        if self.ended.done():
+            return None
+        if self.expires <= time.time():
+            self.revoke(grpc.StatusCode.UNAUTHENTICATED, "expired")
+            return None
+        return self.tenant
+
+    def revoke(self, code: grpc.StatusCode, why: str) -> None:
+        if self.ended.done():
+            return
+        self.ended.set_result((code, why))
+        for stop in self.stops:
+            stop()
+
+
+#: The grant of the stream the current task serves (None: no authentication, or a
+#: unary call, which is checked whole when it starts).
+GRANT: contextvars.ContextVar[Grant[Any] | None] = contextvars.ContextVar(
+    "kvsvc_grant", default=None
+)
+
+
+class OpenStreams(Generic[Tenant]):
+    """Every open stream's grant; re-checks them on :meth:`recheck` (a reload) and
+    at the earliest expiry (one ``call_later`` for all)."""
+
+    def __init__(self, resolve: Callable[[Credentials], tuple[Tenant | None, str, float]]) -> None:
+        #: (tenant or None, why refused, expiry as unix time) for a call's credentials
+        self.resolve = resolve
+        self._grants: set[Grant[Tenant]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_at = math.inf  # the unix time the timer wakes at
+
+    def __len__(self) -> int:
+        return len(self._grants)
+
+    def open(
+        self, credentials: Credentials, tenant: Tenant, expires: float, *, watch: bool
+    ) -> Grant[Tenant]:
+        """Register a stream that just authenticated (on the event loop)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        grant = Grant(credentials, tenant, expires, watch, loop.create_future())
+        self._grants.add(grant)
+        if expires < self._armed_at:
+            self._arm()
+        return grant
+
+    def close(self, grant: Grant[Tenant]) -> None:
+        self._grants.discard(grant)
+        if not self._grants and self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._armed_at = None, math.inf
+
+    def recheck(self) -> None:
+        """The tables changed (on any thread): every open grant is resolved again on
+        the loop; a token gone, expired or now naming another tenant is revoked."""
+        loop = self._loop
+        if loop is None or not self._grants:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._recheck()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._recheck)
+
+    def _recheck(self) -> None:
+        revoked = 0
+        for grant in list(self._grants):
+            if grant.revoked:
+                continue
+            tenant, why, expires = self.resolve(grant.credentials)
+            if tenant is None or tenant.name != grant.tenant.name:
+                grant.revoke(grpc.StatusCode.UNAUTHENTICATED, why or "another tenant")
+                revoked += 1
+                continue
+            if grant.watch and tenant.namespaces != grant.tenant.namespaces:
+                # Not a credentials failure: the view it was opened with is gone.
+                grant.revoke(grpc.StatusCode.UNAVAILABLE, "the tenant's namespaces changed")
+                revoked += 1
+                continue
+            grant.tenant, grant.expires = tenant, expires
+        if revoked:
+            log.info("tenant file reload ended %d open streams", revoked)
+        self._arm()
+
+    def _arm(self) -> None:
+        """One timer, at the earliest expiry among open grants (O(open streams))."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        live: Sequence[float] = [g.expires for g in self._grants if not g.revoked]
+        self._armed_at = min(live, default=math.inf)
+        if self._armed_at == math.inf or self._loop is None:
+            return
+        delay = max(0.0, min(self._armed_at - time.time(), MAX_TIMER_S))
+        self._timer = self._loop.call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        now = time.time()
+        for grant in list(self._grants):
+            if not grant.revoked and grant.expires <= now:
+                grant.revoke(grpc.StatusCode.UNAUTHENTICATED, "expired")
+        self._arm()
