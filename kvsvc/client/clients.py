@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
@@ -204,8 +205,11 @@ class KVCacheClient(Core):
         # Where futures answered over the session complete: one thread, and one
         # more whenever every one is blocked in a caller's callback.
         self._callbacks = concurrent.futures.ThreadPoolExecutor(32, "kvsvc-callbacks")
+        self._indexes: weakref.WeakSet[PresenceIndex] = weakref.WeakSet()
 
     def close(self) -> None:
+        for index in list(self._indexes):  # before the channel they follow on
+            index.close()
         with self._session_lock:
             self.use_session = False
             if self._session is not None:
@@ -265,14 +269,17 @@ class KVCacheClient(Core):
         local memory and kept current by the WatchEvents stream on a background
         thread (kvsvc.client.presence); its answers are None (ask ``lookup``)
         whenever it cannot prove them current within ``stale_after_s``.
-        ``on_batch`` is called on that thread with each batch once applied."""
-        return PresenceIndex(
+        ``on_batch`` is called on that thread with each batch once applied.
+        Closing the client closes its indexes."""
+        index = PresenceIndex(
             self._channel,
             self._metadata,
             namespace,
             stale_after_s=stale_after_s,
             on_batch=on_batch,
         )
+        self._indexes.add(index)
+        return index
 
     # --- drivers ---
     def _run(self, steps: Steps[R]) -> R:
@@ -426,8 +433,11 @@ class AsyncKVCacheClient(Core):
         self._channel = _channel(target, tls, aio=True)
         self._rpcs = _rpcs(self._channel)
         self._session: AsyncSession | None = None
+        self._indexes: weakref.WeakSet[AsyncPresenceIndex] = weakref.WeakSet()
 
     async def close(self) -> None:
+        for index in list(self._indexes):  # before the channel they follow on
+            await index.aclose()
         self.use_session = False
         if self._session is not None:
             await self._session.close()
@@ -486,14 +496,17 @@ class AsyncKVCacheClient(Core):
         on_batch: BatchCallback | None = None,
     ) -> AsyncPresenceIndex:
         """As :meth:`KVCacheClient.presence`, followed by tasks on the running loop
-        (call it inside the loop; ``async with`` or ``aclose()`` ends them)."""
-        return AsyncPresenceIndex(
+        (call it inside the loop; ``async with`` or ``aclose()`` ends them; so does
+        closing the client)."""
+        index = AsyncPresenceIndex(
             self._channel,
             self._metadata,
             namespace,
             stale_after_s=stale_after_s,
             on_batch=on_batch,
         )
+        self._indexes.add(index)
+        return index
 
     # --- drivers ---
     async def _run(self, steps: Steps[R]) -> R:

@@ -327,6 +327,10 @@ class PresenceIndex(_State):
                 error = exc
             except KVServiceError as exc:
                 error = exc
+            except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel!"
+                self.closed = True
+                self.error = ServiceUnavailable(f"the client's channel is closed: {exc}")
+                self._stop.set()
             finally:
                 with self._lock:
                     self._call = None
@@ -350,6 +354,8 @@ class PresenceIndex(_State):
             except grpc.RpcError as exc:
                 self.error = from_grpc_error(exc)  # no proof: the answers age out
                 continue
+            except ValueError:  # the channel was closed: the follower ends too
+                return
             except KVServiceError as exc:
                 self.error = exc
                 continue

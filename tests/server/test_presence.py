@@ -142,3 +142,12 @@ def test_the_async_client_index_follows_the_stream(server) -> None:
             assert index.hits([b"a"]) is None and all(t.done() for t in index._tasks)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_closing_the_client_closes_its_indexes(server) -> None:
+    client = KVCacheClient(server.address)
+    index = client.presence(NS)
+    assert index.wait_fresh(15)
+    client.close()
+    assert index.closed and index.hits([b"k"]) is None
+    assert not any(t.is_alive() for t in index._threads)
