@@ -105,6 +105,34 @@ class RemoteStats(Protocol):
     def breaker_state(self) -> int: ...
 
 
+class EventStats(Protocol):
+    """What metrics read of the events stream (kvsvc.server.events.EventLog)."""
+
+    published: int
+    resyncs: int
+    watching: int
+
+
+class _EventsCollector:
+    """WatchEvents counters and the open watchers, read when scraped."""
+
+    def __init__(self, events: EventStats) -> None:
+        self.events = events
+
+    def collect(self) -> Iterator[Any]:
+        e = self.events
+        yield GaugeMetricFamily("kvsvc_event_watchers", "WatchEvents streams open", e.watching)
+        yield CounterMetricFamily(
+            "kvsvc_events_published", "events published to the WatchEvents ring", e.published
+        )
+        yield CounterMetricFamily(
+            "kvsvc_event_resyncs",
+            "lost batches sent: watchers that resynced from a snapshot (no cursor, an old "
+            "or foreign one, or fell behind the ring)",
+            e.resyncs,
+        )
+
+
 class _RemoteCollector:
     """Remote-tier counters and gauges, read from the tier when scraped."""
 
@@ -170,6 +198,7 @@ class Metrics:
         mappings: Sized,
         fds: FdStats | None,
         remote: RemoteStats | None = None,
+        events: EventStats | None = None,
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -276,6 +305,8 @@ class Metrics:
 
         if remote is not None:
             r.register(_RemoteCollector(remote))  # type: ignore[arg-type]
+        if events is not None:
+            r.register(_EventsCollector(events))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._transfer_children: dict[str, tuple[Any, Any]] = {}
 

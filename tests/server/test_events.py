@@ -6,15 +6,21 @@ server stops serving."""
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from support import ServerThread
+from prometheus_client import generate_latest
+from support import SERVING, ServerThread, health_status
 
 from kvsvc.client import KVCacheClient
+from kvsvc.errors import FatalServerError
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -34,8 +40,9 @@ class Watch:
         page: int = 0,
         metadata: tuple[tuple[str, str], ...] = (),
         read: bool = True,
+        options: tuple[tuple[str, int], ...] = (),
     ) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=options)
         request = pb.WatchEventsRequest(namespaces=namespaces, snapshot_page_keys=page)
         if cursor is not None:
             request.cursor.CopyFrom(cursor)
@@ -225,3 +232,154 @@ def test_snapshot_pages_are_bounded(server, client, watch) -> None:
         if b.snapshot_done:
             break
     assert keys == 50
+
+
+def _error(w: Watch) -> pb.WatchEventsResponse:
+    """Skip batches until the error batch; then the stream ends."""
+    while True:
+        response = w.next()
+        if response.WhichOneof("outcome") == "error":
+            with pytest.raises(EOFError):
+                w.next()
+            return response
+
+
+async def _fatal(st: ServerThread) -> None:
+    st.server.servicer.fatal(FatalServerError("injected by the test", reason="TEST_FATAL"))
+
+
+def test_fatal_failure_sends_cleared_then_ends_streams_with_not_serving(make_server, watch) -> None:
+    st = make_server()
+    with KVCacheClient(st.address) as c:
+        c.put("ns", [(b"k", b"v")])
+        w = watch(st.address)
+        point, _ = w.resync()
+        st.run(_fatal(st))
+        b = w.batch()
+        assert [e.cleared.reason for e in b.events] == [pb.CLEAR_REASON_FATAL]
+        assert b.sequence == point + 1
+        error = _error(w).error
+        assert error.reason == "SERVICE_NOT_SERVING"
+        assert error.metadata["failureReason"] == "TEST_FATAL"
+        late = watch(st.address)  # a stream opened afterwards is answered at once
+        assert _error(late).error.reason == "SERVICE_NOT_SERVING"
+
+
+def test_shutdown_ends_streams_with_an_error_before_the_server_stops(config) -> None:
+    st = ServerThread(config)
+    try:
+        w = Watch(st.address)
+        w.resync()
+        stopped = threading.Thread(target=st.stop)
+        stopped.start()
+        error = _error(w).error
+        assert error.reason == "SERVICE_NOT_SERVING"
+        assert error.metadata["failureReason"] == "SHUTTING_DOWN"
+        stopped.join(30)
+        assert not stopped.is_alive()
+        w.close()
+    finally:
+        if st.thread.is_alive():
+            st.stop()
+
+
+def test_a_watcher_that_stops_reading_bounds_the_server_and_resyncs(make_server, watch) -> None:
+    """The client reads nothing while thousands of Stores go on: Stores are answered,
+    health stays SERVING, the ring stays within its bounds; once it reads again the
+    watcher gets lost, a snapshot equal to the store, then live events."""
+    ring_bytes = 256 << 10
+    st = make_server(events_ring=256, events_ring_bytes=ring_bytes)
+    events = st.server.servicer.events
+    # A small receive window (no BDP growth) so the server's writes wait soon.
+    small = (("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20))
+    stuck = watch(st.address, options=small)
+    stuck.resync()
+    stuck.go.clear()  # from here on it reads nothing (one message may still be taken)
+    key = b"k" * 900
+    with KVCacheClient(st.address) as c:
+        c.put("warm", [(b"w", b"v")])
+        seconds = []
+        for i in range(1500):  # ~5 MB of events: far past the window and the ring
+            t = time.perf_counter()
+            c.put("ns", [(key + b"%05d-%d" % (i, j), b"v") for j in range(4)])
+            seconds.append(time.perf_counter() - t)
+            assert events.ring.bytes <= ring_bytes or len(events.ring) == 1
+        assert health_status(st.address) == SERVING
+        assert events.watching == 1
+        seconds.sort()
+        print(
+            f"Store p50 {1e3 * seconds[len(seconds) // 2]:.2f} ms, p99 "
+            f"{1e3 * seconds[int(len(seconds) * 0.99)]:.2f} ms with a stuck watcher; "
+            f"load {os.getloadavg()[0]:.1f}"
+        )
+        resyncs = events.resyncs
+        stuck.go.set()  # it reads again
+        # Whatever it had in flight arrives first; then lost and the snapshot.
+        while not (b := stuck.batch()).lost:
+            assert not b.snapshot
+        present: set[tuple[str, bytes]] = set()
+        while True:
+            b = stuck.batch()
+            assert b.snapshot
+            present |= {(e.stored.namespace, k) for e in b.events for k in e.stored.keys}
+            if b.snapshot_done:
+                break
+        truth = {(ns, k) for ns, k, _ in (ch.key for ch in st.server.servicer.store.chunks())}
+        assert present == truth
+        assert events.resyncs == resyncs + 1
+        c.put("ns", [(b"after", b"v")])
+        _, seen = _live_keys(stuck, b.sequence, 1)
+        assert seen == [("stored", "ns", b"after")]
+
+
+def _tenants(path: Path) -> tuple[Path, str, str]:
+    a, b = "a" * 32, "b" * 32
+    spec = {
+        "team-a": {"tokens": [a], "namespaces": ["a/*"]},
+        "team-b": {"tokens": [b], "namespaces": ["b/*", "a/shared"]},
+    }
+    path.write_text(json.dumps({"tenants": spec}))
+    path.chmod(0o600)
+    return path, a, b
+
+
+def test_a_tenant_sees_only_its_own_keys_and_names(make_server, watch, tmp_path) -> None:
+    path, token_a, token_b = _tenants(tmp_path / "tenants.json")
+    st = make_server(auth_token_file=str(path))
+    auth_a = (("authorization", f"Bearer {token_a}"),)
+    auth_b = (("authorization", f"Bearer {token_b}"),)
+    with (
+        KVCacheClient(st.address, token=token_a) as ca,
+        KVCacheClient(st.address, token=token_b) as cb,
+    ):
+        ca.put("a/x", [(b"secret-a", b"v")])
+        ca.put("a/shared", [(b"a-shared", b"v")])
+        cb.put("a/shared", [(b"b-shared", b"v")])  # b's own store under a name a uses too
+        wa, wb = watch(st.address, metadata=auth_a), watch(st.address, metadata=auth_b)
+        pa, present_a = wa.resync()
+        pb_, present_b = wb.resync()
+        assert present_a == {("a/x", b"secret-a"): 1, ("a/shared", b"a-shared"): 1}
+        assert present_b == {("a/shared", b"b-shared"): 1}  # unscoped, and only b's
+        ca.put("a/x", [(b"more-a", b"v")])
+        cb.put("b/y", [(b"more-b", b"v")])
+        _, seen_b = _live_keys(wb, pb_, 1)
+        assert seen_b == [("stored", "b/y", b"more-b")]
+        _, seen_a = _live_keys(wa, pa, 1)
+        assert seen_a == [("stored", "a/x", b"more-a")]
+        denied = watch(st.address, metadata=auth_a, namespaces=("b/y",))
+        assert _error(denied).error.reason == "PERMISSION_DENIED"
+        nobody = watch(st.address)
+        with pytest.raises(grpc.RpcError) as info:
+            nobody.next()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_metrics_count_watchers_events_and_resyncs(server, client, watch) -> None:
+    w = watch()
+    w.resync()
+    client.put("ns", [(b"k", b"v")])
+    _live_keys(w, 0, 1)
+    text = generate_latest(server.server.servicer.metrics.registry).decode()
+    assert "kvsvc_event_watchers 1.0" in text
+    assert "kvsvc_event_resyncs_total 1.0" in text
+    assert "kvsvc_events_published_total" in text

@@ -89,8 +89,8 @@ class Watchers:
         told = position  # the last sequence the client was sent
         told_at = monotonic()
         while True:
-            if events.ended is not None:
-                raise events.ended
+            if events.ended is not None and not (position >= 0 and ring.after(position, 1)):
+                raise events.ended  # after what it has not sent yet (cleared(FATAL))
             changed = events.changed()  # before reading: no publish is missed
             batch = ring.after(position, page) if position >= 0 else None
             if batch is None:

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsvc.errors import CapacityExhausted
 from kvsvc.server.config import REMOTE_FETCH_GROUP_BYTES, REMOTE_FETCHERS, ServerConfig
@@ -31,6 +31,10 @@ from kvsvc.server.tiers.redis.values import (
     parse_head,
     redis_keys,
 )
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvsvc.server.events import EventLog
 
 
 class Fetches(Connections):
@@ -41,6 +45,8 @@ class Fetches(Connections):
     ) -> None:
         super().__init__(config, store, loop)
         self._fetching = 0
+        #: told of what a fetch found or missed (WatchEvents; set by the servicer)
+        self.events: EventLog | None = None
         self._fetchers = concurrent.futures.ThreadPoolExecutor(
             REMOTE_FETCHERS, thread_name_prefix="kvsvc-remote-read"
         )
@@ -85,6 +91,15 @@ class Fetches(Connections):
         self.misses += len(keys) - good
         self.hits += good
         self.bytes_read += run.loaded_bytes
+        if self.events is not None:  # what this server now knows of the tier
+            if run.found:
+                found = [k for k, _ in run.found]
+                nbytes = sum(n for _, n in run.found)
+                self.events.stored(namespace, found, layout, nbytes, pb.TIER_REDIS)
+            if good < len(keys):  # no longer vouched for (a miss, a failure, the budget)
+                self.events.removed(
+                    namespace, keys[good:], layout, pb.REMOVAL_REASON_TIER_DROPPED, pb.TIER_REDIS
+                )
         log.debug(
             "remote tier: %d chunks fetched in %.1f ms (replies read in %.1f ms)",
             good,
@@ -251,6 +266,7 @@ class _Fetch:
         self.stop = threading.Event()  # set: the reader reads no more replies
         self.good = 0  # leading keys loaded (or committed meanwhile by another call)
         self.loaded_bytes = 0
+        self.found: list[tuple[bytes, int]] = []  # (key, bytes) read from the tier, verified
         self._arrived = 0  # values delivered so far
         # (values, indexes of those to copy, their (chunk, value), the copy)
         self._groups: list[
@@ -326,6 +342,7 @@ class _Fetch:
                     store.abort(chunk)
                     self._end()
                     continue
+                self.found.append((chunk.key[1], value.size))
                 if store.commit(chunk, value.digests):
                     chunk.readers += 1
                     self._pinned.append(chunk)

@@ -11,13 +11,17 @@ import contextlib
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsvc.server.config import REMOTE_WRITE_BATCH_BYTES, REMOTE_WRITERS, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkStore
 from kvsvc.server.tiers.redis.connection import Connections
 from kvsvc.server.tiers.redis.health import Skipped
 from kvsvc.server.tiers.redis.values import Staging, encode, header_bytes, redis_key
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvsvc.server.events import EventLog
 
 
 @dataclass
@@ -40,6 +44,8 @@ class WriteBehind(Connections):
         self.queued_bytes = 0
         self._queue: queue.Queue[_Write | None] = queue.Queue()
         self._queued_lock = threading.Lock()
+        #: told of every value written (WatchEvents: the tier as far as this server saw it)
+        self.events: EventLog | None = None
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"kvsvc-remote-write-{i}", daemon=True)
             for i in range(REMOTE_WRITERS)
@@ -129,6 +135,15 @@ class WriteBehind(Connections):
             self._add(dropped_writes=len(writes))
             return
         self._add(writes=len(writes), bytes_written=sum(w.chunk.size for w in writes))
+        if self.events is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody watches
+                self.loop.call_soon_threadsafe(self._announce, writes)
+
+    def _announce(self, writes: list[_Write]) -> None:
+        """On the loop: the written chunks are now in the tier (EventLog.stored)."""
+        assert self.events is not None
+        for w in writes:
+            self.events.stored(w.namespace, (w.key,), w.layout, w.chunk.size, pb.TIER_REDIS)
 
     def _unpin(self, chunks: list[Chunk]) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: the store goes with it
