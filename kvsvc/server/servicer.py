@@ -73,6 +73,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             RemoteTier(config, self.store, self.loop) if config.tiers.remote != "off" else None
         )
         if self.remote is not None:
+            self.remote.events = self.events
             self.remote.start()
         #: the local disk tier between memory and Redis (None: no --disk-dir)
         self.disk = DiskTier(config, self.store, self.loop) if config.tiers.disk_dir else None
@@ -97,6 +98,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             mappings=self.mappings,
             fds=self.fds,
             remote=self.remote,
+            events=self.events,
         )
         self.transfers = Transfers(
             config, self.store, self.engine, self.remote, self.mapper, self.metrics, self.start_id
