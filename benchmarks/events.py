@@ -6,7 +6,8 @@ Sections are functions taking the run size ("full", "quick" or "smoke") that pri
 their figures with the load average and return them: ``presence_lookup`` (a local
 lookup of 64 keys beside the session Lookup RPC and LMCache's real lookup),
 ``presence_visibility`` (Store acknowledged -> visible in another process's index at
-1,000 Stores/s) and ``presence_watchers`` (Store throughput with 4 watchers vs none).
+1,000 Stores/s), ``presence_watchers`` (Store throughput with 4 watchers vs none) and
+``events_resync`` (lost -> snapshot -> live at 1 M present keys, server RSS growth).
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import grpc
 
 from benchmarks import control_plane
 from benchmarks.common import REPO, KvsvcServer, NullProgress, cpu_seconds, pct
 from kvsvc.client import KVCacheClient
 from kvsvc.client.native import NATIVE, new_table
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
 # --- the presence index (issue 29's "Measure": lookup, visibility, watchers) ---
 PRESENCE_NS = "bench-presence"
@@ -262,11 +268,89 @@ def presence_watchers(size: str = "quick") -> dict[str, Any]:
     return out
 
 
+# --- the server's resync (issue 29's "Measure": lost -> snapshot -> live at 1 M keys) ---
+RESYNC_NS = "bench-resync"
+#: present keys per run size
+RESYNC_KEYS = {"smoke": 5_000, "quick": 200_000, "full": 1_000_000}
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def events_resync(size: str = "quick") -> dict[str, Any]:
+    """A watcher with no cursor against a server holding N chunks: time from the
+    request to ``lost``, to ``snapshot_done`` (every key received and counted) and to
+    the first live event after it; the server's RSS sampled every 5 ms meanwhile
+    (growth over its RSS before the request: the snapshot's references, the pages
+    being written)."""
+    n = RESYNC_KEYS[size]
+    # A chunk holds a 4 KiB allocation and ~540 B of metadata, whatever its value.
+    store = max(64 << 20, n * 4700 + (64 << 20))
+    shm = tempfile.mkdtemp(prefix="kvsvc-resync-")
+    with (
+        KvsvcServer(store_bytes=store, shm_dir=shm) as server,
+        KVCacheClient(server.address) as client,
+    ):
+        fill0 = time.monotonic()
+        for base in range(0, n, 1000):
+            chunk = [(b"rs-%012d" % i, b"v") for i in range(base, min(n, base + 1000))]
+            client.put(RESYNC_NS, chunk)
+        fill_s = time.monotonic() - fill0
+        time.sleep(0.5)
+        rss0 = _rss_kib(server.pid)
+        peak = [rss0]
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.wait(0.005):
+                peak[0] = max(peak[0], _rss_kib(server.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        with grpc.insecure_channel(server.address, options=options) as channel:
+            stub = pb_grpc.KVCacheServiceStub(channel)
+            t0 = time.perf_counter()
+            stream = stub.WatchEvents(pb.WatchEventsRequest(namespaces=[RESYNC_NS]), timeout=300)
+            keys = 0
+            lost_s = done_s = live_s = float("nan")
+            for response in stream:
+                batch = response.batch
+                if response.WhichOneof("outcome") != "batch":
+                    raise RuntimeError(f"error batch: {response.error.reason}")
+                if batch.lost:
+                    lost_s = time.perf_counter() - t0
+                elif batch.snapshot:
+                    keys += sum(len(e.stored.keys) for e in batch.events)
+                    if batch.snapshot_done:
+                        done_s = time.perf_counter() - t0
+                        client.put(RESYNC_NS, [(b"rs-live", b"v")])
+                elif any(b"rs-live" in e.stored.keys for e in batch.events):
+                    live_s = time.perf_counter() - t0
+                    break
+            stream.cancel()
+        sampling.set()
+        sampler.join(5)
+    if keys != n:
+        raise RuntimeError(f"the snapshot held {keys} keys, {n} were stored")
+    out = {"keys": n, "fill_s": fill_s, "lost_s": lost_s, "snapshot_done_s": done_s,
+           "live_s": live_s, "rss_before_mib": rss0 / 1024,
+           "rss_growth_mib": (peak[0] - rss0) / 1024, "load": _uptime()}  # fmt: skip
+    print(f"resync at {n} present keys: lost after {1e3 * lost_s:.0f} ms, snapshot_done "
+          f"after {done_s:.2f} s (the live Store put after it seen at {live_s:.2f} s); server "
+          f"RSS +{out['rss_growth_mib']:.1f} MiB over {out['rss_before_mib']:.0f} MiB "
+          f"({os.cpu_count()} cores, {out['load']})")  # fmt: skip
+    return out
+
+
 #: name -> section(size); benchmarks.run runs them all
 SECTIONS: dict[str, Callable[[str], dict[str, Any]]] = {
     "lookup": presence_lookup,
     "visibility": presence_visibility,
     "watchers": presence_watchers,
+    "resync": events_resync,
 }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client import generate_latest
+from redis_servers import RedisServer, require_redis
 from support import SERVING, ServerThread, health_status
 
 from kvsvc.client import KVCacheClient
@@ -49,6 +50,8 @@ class Watch:
         self.call = pb_grpc.KVCacheServiceStub(self.channel).WatchEvents(
             request, timeout=120, metadata=metadata
         )
+        #: (namespace, key, tier) of every key the last snapshot named
+        self.tiers: set[tuple[str, bytes, int]] = set()
         self.responses: queue.Queue[pb.WatchEventsResponse | BaseException] = queue.Queue()
         self.go = threading.Event()
         if read:
@@ -78,18 +81,23 @@ class Watch:
         return response.batch
 
     def resync(self) -> tuple[int, dict[tuple[str, bytes], int]]:
-        """Read lost + snapshot: (S, {(namespace, key): tier})."""
+        """Read lost + snapshot: (S, {(namespace, key): its lowest tier number})."""
         lost = self.batch()
         assert lost.lost and not lost.events, lost
         present: dict[tuple[str, bytes], int] = {}
+        seen: set[tuple[str, bytes, int]] = set()
         while True:
             b = self.batch()
             assert b.snapshot and b.sequence == lost.sequence, b
             for e in b.events:
                 assert e.WhichOneof("kind") == "stored", e
                 for k in e.stored.keys:
-                    assert (e.stored.namespace, k) not in present, "duplicate in snapshot"
-                    present[(e.stored.namespace, k)] = e.stored.tier
+                    where = (e.stored.namespace, k, e.stored.tier)
+                    assert where not in seen, "duplicate in snapshot"
+                    seen.add(where)
+                    tier = present.get((e.stored.namespace, k), e.stored.tier)
+                    present[(e.stored.namespace, k)] = min(tier, e.stored.tier)
+                    self.tiers.add(where)
             if b.snapshot_done:
                 return lost.sequence, present
 
@@ -383,3 +391,44 @@ def test_metrics_count_watchers_events_and_resyncs(server, client, watch) -> Non
     assert "kvsvc_event_watchers 1.0" in text
     assert "kvsvc_event_resyncs_total 1.0" in text
     assert "kvsvc_events_published_total" in text
+
+
+def _tier_events(w: Watch, last: int, want: set[tuple[str, bytes, int]]) -> int:
+    """Read live batches until every (namespace, key, tier) of ``want`` was stored."""
+    while want:
+        b = w.batch()
+        assert b.sequence > last
+        last = b.sequence
+        for e in b.events:
+            if e.WhichOneof("kind") == "stored":
+                want -= {(e.stored.namespace, k, e.stored.tier) for k in e.stored.keys}
+    return last
+
+
+def test_the_redis_tier_as_far_as_this_server_saw_it(make_server, watch, tmp_path) -> None:
+    """A's write-behind announces its keys in the Redis tier (and A's snapshot says
+    so); B's fetch that finds a key announces it in Redis and in B's memory."""
+    require_redis()
+    redis = RedisServer(tmp_path / "redis")
+    try:
+        a = make_server(remote=redis.url)
+        b = make_server(remote=redis.url)
+        wa, wb = watch(a.address), watch(b.address)
+        pa, _ = wa.resync()
+        pb_, _ = wb.resync()
+        with KVCacheClient(a.address) as ca:
+            ca.put("ns", [(b"k", b"value")])
+        _tier_events(wa, pa, {("ns", b"k", pb.TIER_MEMORY), ("ns", b"k", pb.TIER_REDIS)})
+        again = watch(a.address)
+        again.resync()
+        assert again.tiers == {("ns", b"k", pb.TIER_MEMORY), ("ns", b"k", pb.TIER_REDIS)}
+        remote = b.server.servicer.remote
+        assert remote is not None
+
+        async def fetch() -> int:
+            return await remote.fetch("ns", "inline", [b"k"], 10.0)
+
+        assert b.run(fetch()) == 1
+        _tier_events(wb, pb_, {("ns", b"k", pb.TIER_MEMORY), ("ns", b"k", pb.TIER_REDIS)})
+    finally:
+        redis.kill()
