@@ -367,6 +367,13 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
         md += [gpu.table(results["gpu"]), ""]
     elif "gpu" in err:
         md += [f"Failed: {err['gpu']}", ""]
+    if "events" in results or "events" in err:
+        md += ["## 7. Events stream and presence index (benchmarks/events.py)", ""]
+        for name, figures in results.get("events", {}).items():
+            rows = [(k, f"{v:.3g}" if isinstance(v, float) else v) for k, v in figures.items()]
+            md += [f"### {name}", "", md_table(["figure", "value"], rows), ""]
+        if "events" in err:
+            md += [f"Failed: {err['events']}", ""]
     # goals and profiles
     md += ["## Goals", "", md_table(["goal", "verdict", "detail"], goals), ""]
     if results.get("profiles_skipped"):
