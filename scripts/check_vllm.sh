@@ -6,6 +6,9 @@
 #      torchaudio and torchcodec are removed (they break vLLM's imports on CPU).
 #      A stamp file holds the pins: the venv is re-used while they are unchanged
 #      (kvsvc is re-installed each run, in case pyproject.toml gained a dependency).
+#      The tests' own small extras (TEST_EXTRAS: msgpack decodes vLLM's KV events,
+#      pytest-asyncio for pyproject's asyncio_mode) are installed each run too, so
+#      that adding one does not rebuild the 3.5 GB venv.
 #   2. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
 #      skip into a failure (the main venv's pytest skips those tests: no vLLM).
 # Env: VLLM_VENV (default .venv-vllm).
@@ -29,6 +32,9 @@ else
   echo "$want" >"$STAMP"
 fi
 "$VENV/bin/pip" install -q -e .
+TEST_EXTRAS="msgpack pytest-asyncio"
+# shellcheck disable=SC2086
+"$VENV/bin/pip" install -q $TEST_EXTRAS
 
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.

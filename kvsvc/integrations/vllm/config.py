@@ -8,6 +8,8 @@ from typing import Any
 
 from kvsvc.limits import validate_deadline
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
 
 @dataclass(frozen=True)
 class VllmConnectorConfig:
@@ -27,6 +29,31 @@ class VllmConnectorConfig:
     reconnect_interval_s: float = 2.0
     blocks_per_chunk: int = 1
     log_level: str = "INFO"
+    # Security, as the Python client names it: the bearer token's file (read at each
+    # connect, so a rotated token is picked up), TLS (on when any tls_* is set, or
+    # ``tls``: the system's roots), and the fd socket as this process sees it.
+    token_file: str = ""
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    fd_socket: str = ""
+    # The scheduler answers lookups from a presence index that follows kvsvc's
+    # events stream (no RPC on its step while the index is fresh); False: a Lookup
+    # RPC per request, as without an index.
+    presence: bool = True
+    # The ``medium`` of the vLLM KV events that publish what kvsvc holds (only when
+    # vLLM's kv_events_config enables events).
+    kv_events_medium: str = "kvsvc"
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_server_name))
 
     @classmethod
     def parse(
@@ -52,6 +79,31 @@ class VllmConnectorConfig:
                 if isinstance(raw, bool) or int(raw) < 1:
                     raise ValueError(f"{name} must be an integer >= 1, got {raw!r}")
                 values[name] = int(raw)
+            elif f.type in ("bool", bool):
+                values[name] = _parse_bool(name, raw)
             else:
                 values[name] = str(raw)
         return cls(**values)
+
+
+def _parse_bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{name} must be true or false, got {raw!r}")
+
+
+def read_token(path: str) -> str:
+    """The bearer token in ``path`` (surrounding whitespace dropped); the message
+    names the file, never its content. (The server's ``read_token_file`` does the
+    same for the CLI; integrations may not import the server.)"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"token_file {path}: cannot read it ({type(exc).__name__})") from None
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"token_file {path}: must hold one token, without spaces")
+    return token

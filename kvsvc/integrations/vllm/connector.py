@@ -113,6 +113,12 @@ class KvsvcConnector(KVConnectorBase_V1):
         assert self.sched is not None
         return self.sched.request_finished(request, block_ids)
 
+    @_guarded(lambda self, *a: [])
+    def take_events(self) -> list[Any]:
+        """kvsvc's blocks as vLLM KV events; vLLM's scheduler appends them to every
+        KVEventBatch it publishes (called each step, events on or off)."""
+        return self.sched.take_events() if self.sched is not None else []
+
     # --- worker side ---
     @_guarded(lambda self, *a: None)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

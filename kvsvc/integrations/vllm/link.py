@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from kvsvc.client import KVCacheClient
+from kvsvc.client import ClientTLS, KVCacheClient
 from kvsvc.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -16,7 +16,8 @@ from kvsvc.errors import (
     ServiceUnavailable,
     TransferUnprovable,
 )
-from kvsvc.integrations.vllm.config import VllmConnectorConfig
+from kvsvc.integrations.vllm.common import log
+from kvsvc.integrations.vllm.config import VllmConnectorConfig, read_token
 
 # Failures after which the mapping may be gone (kvsvc down, restarted, stuck): map again.
 LINK_ERRORS = (
@@ -28,6 +29,29 @@ LINK_ERRORS = (
     TransferUnprovable,
     ConnectionError,
 )
+
+
+def make_client(cfg: VllmConnectorConfig, control_timeout: float) -> KVCacheClient:
+    """A client with the connector's target, token, TLS and fd socket. Raises
+    ValueError when the token file cannot be read (the caller counts kvsvc as down)."""
+    tls = None
+    if cfg.uses_tls:
+        tls = ClientTLS(
+            ca=cfg.tls_ca or None,
+            cert=cfg.tls_cert or None,
+            key=cfg.tls_key or None,
+            server_name=cfg.tls_server_name or None,
+        )
+    # Over the client's Session stream (unary where the server lacks it): the
+    # scheduler's Lookup per request costs about half a unary call's.
+    return KVCacheClient(
+        cfg.target,
+        token=read_token(cfg.token_file) if cfg.token_file else None,
+        tls=tls,
+        fd_socket=cfg.fd_socket or None,
+        control_timeout=control_timeout,
+        transfer_timeout=cfg.load_timeout_s,
+    )
 
 
 class Link:
@@ -47,13 +71,12 @@ class Link:
         if time.monotonic() < self.down_until:
             return None
         if self.client is None:
-            # Over the client's Session stream (unary where the server lacks it): the
-            # scheduler's Lookup per request costs about half a unary call's.
-            self.client = KVCacheClient(
-                self.cfg.target,
-                control_timeout=self.control_timeout,
-                transfer_timeout=self.cfg.load_timeout_s,
-            )
+            try:
+                self.client = make_client(self.cfg, self.control_timeout)
+            except ValueError as exc:  # the token file: kvsvc counts as down, told why
+                log.error("kvsvc: %s; kvsvc skipped for %.1f s", exc, self.cfg.reconnect_interval_s)
+                self.down_until = time.monotonic() + self.cfg.reconnect_interval_s
+                return None
         return self.client
 
     def failed(self) -> None:

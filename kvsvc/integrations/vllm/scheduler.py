@@ -1,12 +1,14 @@
-"""The connector's scheduler half (vLLM's engine-core process): asks kvsvc which of
-a new request's chunks it holds (one Lookup, bounded by ``lookup_timeout_s``; any
-error is a miss and kvsvc then counts as down for ``reconnect_interval_s``), plans
+"""The connector's scheduler half (vLLM's engine-core process): asks the presence
+index (hints.py: local memory, no RPC) which of a new request's chunks kvsvc holds,
+else kvsvc itself (one Lookup, bounded by ``lookup_timeout_s``; any error is a miss
+and kvsvc then counts as down for ``reconnect_interval_s``), plans
 the loads of the matched chunks into the blocks vLLM allocated, plans a store for
 each prompt chunk a step completes, and keeps each request's blocks allocated
 while a store may still read them. Loads are asynchronous: a request waits in
 WAITING_FOR_REMOTE_KVS while its blocks load, so a Retrieve whose outcome is
 unknown can keep the blocks until a Fence proves the copy ended. Nothing here
-touches KV memory: the plans travel to the workers as ``KvsvcConnectorMetadata``."""
+touches KV memory: the plans travel to the workers as ``KvsvcConnectorMetadata``.
+With vLLM's KV events on, ``take_events`` publishes what kvsvc holds (events.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from kvsvc.integrations.vllm.common import (
     log,
 )
 from kvsvc.integrations.vllm.config import VllmConnectorConfig
+from kvsvc.integrations.vllm.events import KvsvcKVEvents
+from kvsvc.integrations.vllm.hints import Hints
 from kvsvc.integrations.vllm.link import Link
 
 
@@ -59,6 +63,14 @@ class KvsvcConnectorScheduler:
         self.matched: dict[str, tuple[int, int]] = {}
         self.loads: list[Op] = []
         self.lookup_seconds_max = 0.0
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.events: KvsvcKVEvents | None = None
+        if kv_events is not None and kv_events.enable_kv_cache_events and cfg.presence:
+            self.events = KvsvcKVEvents(
+                self.namespace, self.tp, cfg.kv_events_medium, cfg.reconnect_interval_s
+            )
+        self.hints = Hints(cfg, self.namespace, self.events.on_batch if self.events else None)
+        self.hints.open()  # now: it follows the stream while vLLM starts
         log.info("kvsvc connector (scheduler): target %s, namespace %s", cfg.target, self.namespace)
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -83,24 +95,26 @@ class KvsvcConnectorScheduler:
         first = -(-num_computed_tokens // self.chunk_tokens)  # whole chunks past local hits
         if chunks <= first:
             return 0, False
-        client = self.link.get()
-        if client is None:
-            self._count("lookups_skipped_down")
-            return 0, False
         keys = [
             chunk_key(r, h) for h in self._chunk_hashes(request, chunks) for r in range(self.tp)
         ]
         t0 = time.monotonic()
+        hit_keys = self.hints.prefix_hits(keys)
+        if hit_keys is not None:
+            self._count("lookups_from_index")
+            return self._matched(request, num_computed_tokens, chunks, hit_keys, t0, "index")
+        client = self.link.get()
+        if client is None:
+            self._count("lookups_skipped_down")
+            return 0, False
         try:
             hit_keys = client.lookup(
                 keys, namespace=self.namespace, timeout=self.cfg.lookup_timeout_s
             )
         except KVServiceError as exc:
-            log.debug(
-                "kvsvc lookup %s: failed after %.1f ms",
-                request.request_id,
-                (time.monotonic() - t0) * 1000,
-            )
+            took = time.monotonic() - t0
+            self.lookup_seconds_max = max(self.lookup_seconds_max, took)
+            log.debug("kvsvc lookup %s: failed after %.1f ms", request.request_id, took * 1000)
             self.link.failed()
             self._count("lookup_errors")
             self.warn.warning(
@@ -110,23 +124,31 @@ class KvsvcConnectorScheduler:
                 self.cfg.reconnect_interval_s,
             )
             return 0, False
-        finally:
-            took = time.monotonic() - t0
-            self.lookup_seconds_max = max(self.lookup_seconds_max, took)
+        self._count("lookups_rpc")
+        return self._matched(request, num_computed_tokens, chunks, hit_keys, t0, "rpc")
+
+    def _matched(
+        self, request: Any, computed: int, chunks: int, hit_keys: int, t0: float, source: str
+    ) -> tuple[int, bool]:
+        """vLLM's answer for ``hit_keys`` leading keys found (by the index or a Lookup)."""
+        first = -(-computed // self.chunk_tokens)
+        took = time.monotonic() - t0
+        self.lookup_seconds_max = max(self.lookup_seconds_max, took)
         hits = hit_keys // self.tp  # a chunk counts only when every rank's shard is there
         log.debug(
-            "kvsvc lookup %s: %d of %d chunks stored (%.1f ms)",
+            "kvsvc lookup %s: %d of %d chunks stored (%.3f ms, %s)",
             request.request_id,
             hits,
             chunks,
             took * 1000,
+            source,
         )
         self._count("lookup_hit_chunks", hits)
         self._count("lookup_miss_chunks", chunks - hits)
         if hits <= first:
             return 0, False
         self.matched[request.request_id] = (first, hits - first)
-        return hits * self.chunk_tokens - num_computed_tokens, True
+        return hits * self.chunk_tokens - computed, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req = self.reqs.setdefault(request.request_id, _Req(request))
@@ -209,7 +231,17 @@ class KvsvcConnectorScheduler:
         req = self.reqs.pop(request.request_id, None)
         return (req is not None and req.had_store), None
 
+    def take_events(self) -> list[Any]:
+        """vLLM KV events of kvsvc's blocks since the last step (none when vLLM's
+        KV events are off)."""
+        if self.events is None:
+            return []
+        out = self.events.take(self.hints.hits, self.hints.fresh)
+        self.counters.update(self.events.counters)
+        return out
+
     def shutdown(self) -> None:
+        self.hints.close()
         log.info(
             "kvsvc connector (scheduler) counters: %s, slowest lookup %.1f ms",
             self.counters,

@@ -26,7 +26,19 @@ from kvsvc.errors import KVServiceError
 
 
 class KvsvcProcess:
-    def __init__(self, port: int, failpoints: str, shm_dir: str) -> None:
+    """`kvsvc serve` on ``port``; ``args``: more flags (they win over the defaults);
+    ``client``: what the readiness check's KVCacheClient needs (token, tls) for a
+    secured server."""
+
+    def __init__(
+        self,
+        port: int,
+        failpoints: str,
+        shm_dir: str,
+        *args: str,
+        store_bytes: str = "256M",
+        client: dict[str, Any] | None = None,
+    ) -> None:
         env = dict(os.environ)
         env.pop("KVSVC_FAILPOINTS", None)
         if failpoints:
@@ -41,15 +53,16 @@ class KvsvcProcess:
                 "--listen",
                 self.address,
                 "--store-bytes",
-                "256M",
+                store_bytes,
                 "--shm-dir",
                 shm_dir,
+                *args,
             ],
             env=env,
             start_new_session=True,
         )
         deadline = time.monotonic() + 60
-        with KVCacheClient(self.address) as c:
+        with KVCacheClient(self.address, **(client or {})) as c:
             while True:
                 try:
                     c.server_info(timeout=2)

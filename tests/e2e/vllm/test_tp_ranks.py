@@ -4,21 +4,30 @@ build does not run tensor parallel 2 on these 2-core machines). The KV caches ar
 laid out as vLLM 0.32 allocates them on CPU (one int8 allocation viewed per layer
 as [blocks, kv_heads, block_size, K|V]) and really moved into memfds and mapped;
 vLLM's config, request and KV-cache-config objects are stood in by plain objects
-holding the fields the connector reads."""
+holding the fields the connector reads (direct.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm.distributed", reason="the vLLM connector tests run in .venv-vllm")
 
 import torch
+from direct import (
+    BLOCK,
+    KV_CACHE_CONFIG,
+    hashes,
+    make_worker,
+    request,
+    run_step,
+    settle,
+    vllm_config,
+    vllm_like_kv_caches,
+)
 from driver import KvsvcProcess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_helpers import free_port
@@ -28,77 +37,6 @@ import kvsvc.integrations.vllm.scheduler as scheduler
 import kvsvc.integrations.vllm.worker as worker
 from kvsvc.integrations.vllm.common import KvsvcConnectorMetadata, Op
 from kvsvc.integrations.vllm.connector import KvsvcConnector
-
-BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 16, 2, 32, 2, 64
-
-
-def vllm_config(port: int, tp: int = 2, model: str = "tiny", **extra: Any) -> Any:
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"target": f"127.0.0.1:{port}", **extra},
-            kv_load_failure_policy="recompute",
-            is_kv_producer=True,
-        ),
-        model_config=SimpleNamespace(model=model, revision=None, dtype=torch.bfloat16),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BLOCK),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-    )
-
-
-KV_CACHE_CONFIG = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[])
-
-
-def vllm_like_kv_caches() -> dict[str, torch.Tensor]:
-    """As vLLM 0.32's allocate_kv_cache: one zeroed int8 buffer, bf16 views per layer."""
-    layer_elems = NUM_BLOCKS * HEADS * BLOCK * 2 * DIM
-    buf = torch.zeros(LAYERS * layer_elems * 2, dtype=torch.int8)
-    flat = buf.view(torch.bfloat16)
-    return {
-        f"model.layers.{i}.self_attn.attn": flat[i * layer_elems : (i + 1) * layer_elems].view(
-            NUM_BLOCKS, HEADS, BLOCK, 2 * DIM
-        )
-        for i in range(LAYERS)
-    }
-
-
-def make_worker(monkeypatch: pytest.MonkeyPatch, cfg: Any, rank: int) -> Any:
-    monkeypatch.setattr(worker, "tp_rank", lambda: rank)
-    conn = KvsvcConnector(cfg, KVConnectorRole.WORKER, KV_CACHE_CONFIG)
-    caches = vllm_like_kv_caches()
-    conn.register_kv_caches(caches)
-    deadline = time.monotonic() + 30
-    while conn.worker.mapping is None:
-        assert time.monotonic() < deadline, "the worker did not map"
-        time.sleep(0.05)
-    return conn, list(caches.values())
-
-
-def hashes(n: int, salt: bytes = b"") -> list[bytes]:
-    return [hashlib.sha256(salt + b"block%d" % i).digest() for i in range(n)]
-
-
-def request(req_id: str, block_hashes: list[bytes]) -> Any:
-    tokens = len(block_hashes) * BLOCK + 1
-    return SimpleNamespace(request_id=req_id, block_hashes=block_hashes, num_tokens=tokens)
-
-
-def run_step(conn: Any, meta: KvsvcConnectorMetadata, load: bool) -> None:
-    conn.bind_connector_metadata(meta)
-    if load:
-        conn.start_load_kv(None)
-    conn.wait_for_save()
-    conn.clear_connector_metadata()
-
-
-def settle(conn: Any, req_id: str, *, recv: bool) -> Any:
-    """Poll get_transfer_results (as vLLM does each step) until ``req_id`` is done."""
-    deadline = time.monotonic() + 30
-    while True:
-        r = conn.get_transfer_results({req_id})
-        if req_id in (r.finished_recving if recv else r.finished_sending):
-            return r
-        assert time.monotonic() < deadline, f"{req_id} never finished"
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -1,0 +1,161 @@
+"""What kvsvc holds of this deployment, published as vLLM KV events: vLLM's
+scheduler appends ``connector.take_events()`` to every ``KVEventBatch`` it
+publishes, so a router that follows vLLM's KV-events publisher (llm-d, Dynamo)
+sees kvsvc's blocks beside vLLM's own (``medium`` tells them apart).
+
+Driven by the presence index's stream: the index's listener only notes which
+chunk hashes an applied batch touched (cheap, on the index's thread); each
+``take()`` (the scheduler's step) asks the index whether each touched chunk is
+present on every TP rank, and turns changes against what it last announced into
+``BlockStored`` / ``BlockRemoved``. A resync (``lost`` and a snapshot, a
+server's clear) re-checks everything announced. While the index is not fresh
+nothing is announced; once it has been unknown for ``withdraw_after_s``, every
+announced block is withdrawn (a router must not route to what kvsvc may have
+lost). A server clear is sent as ``BlockRemoved`` of kvsvc's blocks, not
+``AllBlocksCleared``: that event has no medium, and a router would drop vLLM's
+own GPU blocks with it.
+
+Keys map back to vLLM block hashes as the connector makes them
+(``chunk_key``: ``tp<rank>:`` + the hash of the chunk's last block), converted as
+vLLM converts its own (``maybe_convert_block_hash``). With ``blocks_per_chunk``
+> 1 only each chunk's last block is published (the key names no other)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvsvc.integrations.vllm.common import chunk_key
+
+_RANK_PREFIX = re.compile(rb"tp(\d+):")
+
+Probe = Callable[[Sequence[bytes]], "list[bool] | None"]
+
+
+def block_hash_of(key: bytes) -> tuple[int, bytes] | None:
+    """(TP rank, vLLM block hash) of a connector key; None for another key."""
+    m = _RANK_PREFIX.match(key)
+    return None if m is None else (int(m.group(1)), key[m.end() :])
+
+
+class KvsvcKVEvents:
+    """The announced set and the changes not yet taken; see the module docstring.
+    Memory: one entry per chunk kvsvc holds of this namespace (the announced set),
+    plus the touched chunks between two steps."""
+
+    def __init__(
+        self,
+        namespace: str,
+        tp: int,
+        medium: str,
+        withdraw_after_s: float,
+    ) -> None:
+        self.namespace = namespace
+        self.tp = tp
+        self.medium = medium
+        self.withdraw_after_s = withdraw_after_s
+        self.lock = threading.Lock()
+        self.touched: set[bytes] = set()
+        self.recheck_all = False
+        self.announced: set[bytes] = set()
+        self.unknown_since: float | None = None
+        self.counters = {"kv_events_stored": 0, "kv_events_removed": 0}
+
+    # --- the index's listener (its own thread): note, never probe ---
+    def on_batch(self, batch: Any) -> None:
+        """One applied ``pb.EventBatch`` (live, or a page of a snapshot)."""
+        hashes: set[bytes] = set()
+        recheck = bool(batch.lost or batch.snapshot_done)
+        for event in batch.events:
+            kind = event.WhichOneof("kind")
+            if kind == "cleared":
+                recheck = True
+                continue
+            body = getattr(event, kind)
+            if body.namespace != self.namespace:
+                continue
+            for key in body.keys:
+                parsed = block_hash_of(key)
+                if parsed is not None:
+                    hashes.add(parsed[1])
+        with self.lock:
+            self.touched |= hashes
+            self.recheck_all = self.recheck_all or recheck
+
+    # --- the scheduler's step ---
+    def take(self, probe: Probe, fresh: bool) -> list[KVCacheEvent]:
+        """The events since the last step: one ``BlockRemoved`` of every chunk gone,
+        one ``BlockStored`` per chunk new."""
+        now = time.monotonic()
+        if not fresh:
+            if self.unknown_since is None:
+                self.unknown_since = now
+            if now - self.unknown_since < self.withdraw_after_s or not self.announced:
+                return []
+            gone, self.announced = sorted(self.announced), set()
+            with self.lock:
+                self.recheck_all = True  # re-announce what is there once it is fresh
+            return self._events([], gone)
+        self.unknown_since = None
+        with self.lock:
+            touched, self.touched = self.touched, set()
+            recheck, self.recheck_all = self.recheck_all, False
+        if recheck:
+            touched |= self.announced
+        if not touched:
+            return []
+        order = sorted(touched)
+        keys = [chunk_key(r, h) for h in order for r in range(self.tp)]
+        present = probe(keys)
+        if present is None:  # turned unknown meanwhile: try again next step
+            with self.lock:
+                self.touched |= touched
+                self.recheck_all = self.recheck_all or recheck
+            return []
+        stored, removed = [], []
+        for i, h in enumerate(order):
+            here = all(present[i * self.tp : (i + 1) * self.tp])
+            if here and h not in self.announced:
+                self.announced.add(h)
+                stored.append(h)
+            elif not here and h in self.announced:
+                self.announced.discard(h)
+                removed.append(h)
+        return self._events(stored, removed)
+
+    def _events(self, stored: list[bytes], removed: list[bytes]) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        if removed:
+            self.counters["kv_events_removed"] += len(removed)
+            out.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in removed],
+                    medium=self.medium,
+                    group_idx=0,
+                )
+            )
+        if stored:
+            self.counters["kv_events_stored"] += len(stored)
+            # As vLLM's OffloadingConnector publishes its tiers' blocks without
+            # self-describing payloads: one placeholder per chunk (kvsvc keeps no
+            # token ids, and a list of hashes would claim they chain).
+            out.extend(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium=self.medium,
+                    lora_name=None,
+                    group_idx=0,
+                )
+                for h in stored
+            )
+        return out
