@@ -14,7 +14,9 @@ once ``stale_after_s`` passed without proof that the stream is live and current.
 Proof is a batch of the stream, or -- while nothing happens -- a GetServerInfo
 probe answered on the same channel by the same incarnation (a server kill closes
 the stream at once; a hung server stops answering probes). After a reconnect, the
-index waits for the new stream's first batch before it answers again.
+index waits for the new stream's first batch before it answers again; a stream
+resumed from the cursor that stays silent for ``stale_after_s / 2`` is reopened
+without it (``lost`` + a snapshot), since a quiet server sends nothing to prove it.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class _State:
         self._synced = False  # a snapshot was applied and nothing was lost since
         self._open = False  # the current stream has delivered a batch and not ended
         self._proof = -math.inf  # monotonic time the index was last proven current
+        self._opened_at: float | None = None  # when the current stream was opened
         self.closed = False
         #: the last failure of the stream or of a probe (None: none yet)
         self.error: KVServiceError | None = None
@@ -222,6 +225,17 @@ class _State:
         self.cursor = None  # the next stream starts with lost + a snapshot
         self._synced = False
 
+    def _quiet_resume(self) -> bool:
+        """A stream resumed from a cursor that has sent nothing for stale_after_s / 2:
+        the server sends nothing while nothing happens, so nothing proves the index
+        current; drop the cursor (the caller reopens: lost + a snapshot prove it)."""
+        if self._open or self.cursor is None or self._opened_at is None:
+            return False
+        if time.monotonic() - self._opened_at < self.stale_after_s / 2:
+            return False
+        self.cursor = None
+        return True
+
     def _probed(self, info: pb.GetServerInfoResult, sent: float) -> bool:
         """Take an answered probe as proof; False: the stream must be reopened."""
         if self.cursor is None or info.server_start_id != self.cursor[0]:
@@ -314,6 +328,7 @@ class PresenceIndex(_State):
                 call = self._watch(self._request(), metadata=self._metadata)
                 with self._lock:
                     self._call = call
+                    self._opened_at = time.monotonic()
                 if self._stop.is_set():
                     call.cancel()
                 for response in call:
@@ -334,6 +349,7 @@ class PresenceIndex(_State):
             finally:
                 with self._lock:
                     self._call = None
+                    self._opened_at = None
             self._broken(None if self._stop.is_set() else error)
             if self._stop.wait(backoff):
                 break
@@ -342,6 +358,9 @@ class PresenceIndex(_State):
     def _probe(self) -> None:
         interval = self.stale_after_s / 4
         while not self._stop.wait(interval):
+            if self._quiet_resume():
+                self._cancel()  # reopened without the cursor
+                continue
             if not self._open or time.monotonic() - self._proof < interval:
                 continue  # nothing to prove, or a batch proved it already
             sent = time.monotonic()
@@ -439,6 +458,7 @@ class AsyncPresenceIndex(_State):
             error: KVServiceError | None = None
             try:
                 self._call = call = self._watch(self._request(), metadata=self._metadata)
+                self._opened_at = time.monotonic()
                 async for response in call:
                     self._apply(response)
                     backoff = _BACKOFF_S[0]
@@ -452,6 +472,7 @@ class AsyncPresenceIndex(_State):
                 error = exc
             finally:
                 self._call = None
+                self._opened_at = None
             self._broken(None if self.closed else error)
             if self.closed:
                 break
@@ -462,6 +483,9 @@ class AsyncPresenceIndex(_State):
         interval = self.stale_after_s / 4
         while not self.closed:
             await asyncio.sleep(interval)
+            if self._quiet_resume() and self._call is not None:
+                self._call.cancel()  # reopened without the cursor
+                continue
             if not self._open or time.monotonic() - self._proof < interval:
                 continue
             sent = time.monotonic()

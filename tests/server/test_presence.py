@@ -151,3 +151,17 @@ def test_closing_the_client_closes_its_indexes(server) -> None:
     client.close()
     assert index.closed and index.hits([b"k"]) is None
     assert not any(t.is_alive() for t in index._threads)
+
+
+def test_a_quiet_resume_is_proven_by_a_fresh_snapshot(server) -> None:
+    """A break of the stream alone (same server, nothing stored since): resumed from
+    the cursor, the server has nothing to send, so the index reopens without it and
+    answers again from lost + snapshot, with no Store needed."""
+    with KVCacheClient(server.address) as client:
+        client.put(NS, [(b"k", b"v")])
+        with client.presence(NS, stale_after_s=0.5) as index:
+            assert index.wait_fresh(15) and index.resyncs == 1
+            index._cancel()  # the stream breaks; the follower resumes with its cursor
+            assert _eventually(lambda: not index.fresh, limit=5)
+            assert index.wait_fresh(15), f"never fresh again: {index.error}"
+            assert index.resyncs == 2 and index.hits([b"k"]) == [True]
