@@ -432,3 +432,30 @@ def test_the_redis_tier_as_far_as_this_server_saw_it(make_server, watch, tmp_pat
         _tier_events(wb, pb_, {("ns", b"k", pb.TIER_MEMORY), ("ns", b"k", pb.TIER_REDIS)})
     finally:
         redis.kill()
+
+
+def test_shutdown_is_not_held_by_a_watcher_that_reads_nothing(config) -> None:
+    st = ServerThread(config.replace(events_ring=64))
+    small = (("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20))
+    stuck = Watch(st.address, options=small)
+    try:
+        stuck.resync()
+        stuck.go.clear()
+        with KVCacheClient(st.address) as c:
+            for i in range(600):  # ~2 MB of events: its window is full
+                c.put("ns", [(b"k" * 900 + b"%05d-%d" % (i, j), b"v") for j in range(4)])
+        t = time.monotonic()
+        st.stop()
+        print(f"stop took {time.monotonic() - t:.2f} s with a watcher reading nothing")
+        assert not st.thread.is_alive()
+        stuck.go.set()
+        last = None
+        with pytest.raises((grpc.RpcError, EOFError)) as ended:
+            while True:
+                last = stuck.next()
+        if isinstance(ended.value, EOFError):  # a clean end only after an error batch
+            assert last is not None and last.WhichOneof("outcome") == "error"
+    finally:
+        stuck.close()
+        if st.thread.is_alive():
+            st.stop()

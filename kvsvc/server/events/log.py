@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvsvc.server.data.store import Chunk, ChunkStore
 from kvsvc.server.events.ring import CLEARED, REMOVED, STORED, Event, EventRing
@@ -85,6 +85,8 @@ class EventLog:
         self.resyncs = 0  # lost batches sent
         self.watching = 0  # open WatchEvents streams
         self.ended: Exception | None = None  # set once: every stream ends with it
+        #: called once when the log ends (Watchers: streams stuck in a write are cut)
+        self.on_end: list[Callable[[], None]] = []
         self.cleared(pb.CLEAR_REASON_START)
 
     # --- publishing (on the loop; O(1) each) ---
@@ -164,10 +166,14 @@ class EventLog:
 
     def end(self, exc: Exception) -> None:
         """Every stream ends with ``exc`` (a fatal failure, a shutdown); the first wins."""
-        if self.ended is None:
+        first = self.ended is None
+        if first:
             self.ended = exc
         self.flush()
         self.wake()
+        if first:
+            for hook in self.on_end:
+                hook()
 
     # --- the snapshot point ---
     def snapshot(self) -> tuple[int, list[Chunk], list[tuple[RemoteKey, int]]]:
