@@ -4,11 +4,12 @@ it can and cannot serve, and publishing that coalesces one turn of the loop."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
-from kvsvc.server.data.store import ChunkStore
-from kvsvc.server.events.log import EventLog
+from kvsvc.server.data.store import ChunkStore, StoreListener
+from kvsvc.server.events.log import REMOVAL_REASONS, EventLog
 from kvsvc.server.events.ring import REMOVED, STORED, Event, EventRing
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -79,3 +80,12 @@ def test_log_coalesces_one_turn_and_starts_with_cleared() -> None:
         assert point == log.ring.last
 
     asyncio.run(main())
+
+
+def test_every_removal_reason_of_the_store_maps_to_the_contract() -> None:
+    """Each reason data/store.py's StoreListener names has its pb enum value here."""
+    doc = StoreListener.removed.__doc__ or ""
+    named = set(re.findall(r'"([a-z_]+)"', doc))
+    assert named and named <= set(REMOVAL_REASONS), named - set(REMOVAL_REASONS)
+    assert REMOVAL_REASONS["check_failed"] == pb.REMOVAL_REASON_CHECK_FAILED
+    assert REMOVAL_REASONS["evicted"] == pb.REMOVAL_REASON_EVICTED
