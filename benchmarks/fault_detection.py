@@ -6,9 +6,11 @@
    service name, and one inline put is sent. Measured from just before the put
    is sent to the Watch stream's NOT_SERVING message. The server-side part is
    GetServerInfo's failure_time minus the (same host) wall clock at sending.
-2. A handler fault -> the client's exception, against the same call succeeding:
-   the same Lookup against a server with handler.enter=Lookup@raise and against
-   a normal one, calls interleaved, p50/p99.
+2. The error path against success at 1, 8 and 32 callers (asyncio tasks on one
+   AsyncKVCacheClient), each outcome in phases of its own, the phases
+   alternated: the same Lookup against a server with handler.enter=Lookup@raise
+   (a handler fault) and a normal one (success), and a typed error (an empty
+   key: InvalidRequest) on the normal one; p50/p99 by outcome.
 
     python -m benchmarks.fault_detection [--quick | --smoke] [--out DIR]
 
@@ -18,6 +20,7 @@ Prints a markdown table; with --out, also writes it to DIR/fault_detection.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import queue
@@ -35,8 +38,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsvc.client import KVCacheClient
-from kvsvc.errors import FatalServerError, KVServiceError, RemoteHandlerError
+from kvsvc.client import AsyncKVCacheClient, KVCacheClient
+from kvsvc.errors import FatalServerError, InvalidRequest, KVServiceError, RemoteHandlerError
 from kvsvc.server.health import SERVICE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,39 +126,71 @@ def one_injection(workdir: Path) -> dict[str, float]:
         srv.stop()
 
 
-def handler_latencies(workdir: Path, calls: int) -> tuple[list[float], list[float]]:
-    """Seconds per Lookup: (against the faulty server, against the normal one)."""
-    faulty = Server(workdir, "handler.enter=Lookup@raise")
-    normal = Server(workdir)
-    try:
-        with KVCacheClient(faulty.address) as cf, KVCacheClient(normal.address) as cn:
-            keys = [b"key-0", b"key-1"]
+CALLERS = (1, 8, 32)
+KEYS = [b"key-0", b"key-1"]
+#: The outcomes measured, each in phases of its own, the phases alternated.
+HANDLER_FAULT = "raises in handler -> RemoteHandlerError"
+TYPED_ERROR = "InvalidRequest (an empty key)"
+SUCCESS = "succeeds"
+PHASES = 4  # alternations per caller count: drift on a shared host hits each alike
 
-            def fail_once() -> float:
+
+async def phase(address: str, callers: int, seconds: float, keys: list[bytes]) -> list[float]:
+    """Seconds per Lookup of ``keys``, ``callers`` closed loops on one
+    AsyncKVCacheClient for ``seconds`` after a warm-up, all ending the same way."""
+    out: list[float] = []
+    outcomes: set[str] = set()
+    async with AsyncKVCacheClient(address) as c:
+
+        async def loop(until: float, record: bool) -> None:
+            while time.perf_counter() < until:
                 t0 = time.perf_counter()
                 try:
-                    cf.lookup(keys, namespace="bench", timeout=5)
+                    await c.lookup(keys, namespace="bench", timeout=5)
+                    outcome = SUCCESS
+                except InvalidRequest:
+                    outcome = TYPED_ERROR
                 except RemoteHandlerError:
-                    return time.perf_counter() - t0
-                raise AssertionError("the Lookup succeeded; the failpoint did not fire")
+                    outcome = HANDLER_FAULT
+                if record:
+                    out.append(time.perf_counter() - t0)
+                    outcomes.add(outcome)
 
-            def succeed_once() -> float:
-                t0 = time.perf_counter()
-                cn.lookup(keys, namespace="bench", timeout=5)
-                return time.perf_counter() - t0
+        for span, record in ((0.3, False), (seconds, True)):
+            end = time.perf_counter() + span
+            await asyncio.wait_for(
+                asyncio.gather(*(loop(end, record) for _ in range(callers))), span + 60
+            )
+    if len(outcomes) != 1 or not out:
+        raise AssertionError(f"a phase of Lookups of {keys} ended {outcomes or 'nowhere'}")
+    return out
 
-            for _ in range(min(200, calls)):  # warm up both channels and servers
-                fail_once()
-                succeed_once()
-            failed: list[float] = []
-            ok: list[float] = []
-            for _ in range(calls):  # interleaved, so drift hits both alike
-                failed.append(fail_once())
-                ok.append(succeed_once())
-            return failed, ok
+
+def error_latencies(workdir: Path, seconds: float) -> list[tuple[int, dict[str, list[float]]]]:
+    """(callers, seconds per Lookup by outcome) at each of CALLERS: the same Lookup
+    against a server whose handler raises (``handler.enter=Lookup@raise``) and a
+    normal one, and an empty key (InvalidRequest) against the normal one."""
+    faulty = Server(workdir, "handler.enter=Lookup@raise")
+    normal = Server(workdir)
+    plan = ((HANDLER_FAULT, faulty, KEYS), (SUCCESS, normal, KEYS), (TYPED_ERROR, normal, [b""]))
+    rows: list[tuple[int, dict[str, list[float]]]] = []
+    try:
+        for n in CALLERS:
+            got: dict[str, list[float]] = {label: [] for label, _, _ in plan}
+            for _ in range(PHASES):
+                for label, srv, keys in plan:
+                    got[label] += asyncio.run(phase(srv.address, n, seconds / PHASES, keys))
+            rows.append((n, got))
+            print(
+                f"x{n}: p99 handler fault {ms(pct(got[HANDLER_FAULT], 99))} ms, typed error "
+                f"{ms(pct(got[TYPED_ERROR], 99))} ms, success {ms(pct(got[SUCCESS], 99))} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         faulty.stop()
         normal.stop()
+    return rows
 
 
 def pct(values: list[float], q: float) -> float:
@@ -167,16 +202,50 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
 
+def error_tables(rows: list[tuple[int, dict[str, list[float]]]], seconds: float) -> list[str]:
+    """The error path against success per caller count, and the p99 ratios that
+    benchmarks.run judges."""
+    out = [
+        f"## Error vs success, the same Lookup ({seconds:g} s per outcome and caller count, "
+        f"in {PHASES} alternated phases)",
+        "",
+        "Handler fault: a server with `handler.enter=Lookup@raise`; success and the typed "
+        "error (an empty key) on a normal server. Callers: asyncio tasks on one "
+        "AsyncKVCacheClient.",
+        "",
+        "| callers | Lookup | calls | p50 ms | p99 ms | mean ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    ratios: dict[str, list[str]] = {HANDLER_FAULT: [], TYPED_ERROR: []}
+    for n, got in rows:
+        for label, xs in got.items():
+            out.append(
+                f"| {n} | {label} | {len(xs)} | {ms(pct(xs, 50))} | {ms(pct(xs, 99))} | "
+                f"{ms(statistics.fmean(xs))} |"
+            )
+        for label, r in ratios.items():
+            r.append(f"{pct(got[label], 99) / pct(got[SUCCESS], 99):.2f}")
+    out += [
+        "",
+        "| error p99 / success p99 | " + " | ".join(f"x{n}" for n in CALLERS) + " |",
+        "|---|" + "---|" * len(CALLERS),
+        "| handler fault p99 ratio | " + " | ".join(ratios[HANDLER_FAULT]) + " |",
+        "| typed error p99 ratio | " + " | ".join(ratios[TYPED_ERROR]) + " |",
+        "",
+    ]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 injections, 300 calls")
-    ap.add_argument("--smoke", action="store_true", help="1 injection, 50 calls")
+    ap.add_argument("--quick", action="store_true", help="3 injections, 4 s per caller count")
+    ap.add_argument("--smoke", action="store_true", help="1 injection, 1 s per caller count")
     ap.add_argument("--injections", type=int, default=None)
-    ap.add_argument("--calls", type=int, default=None)
+    ap.add_argument("--seconds", type=float, default=None, help="per caller count and kind")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
     n_inj = args.injections or (1 if args.smoke else 3 if args.quick else 20)
-    n_calls = args.calls or (50 if args.smoke else 300 if args.quick else 2000)
+    seconds = args.seconds or (1.0 if args.smoke else 4.0 if args.quick else 15.0)
 
     workdir = Path(tempfile.mkdtemp(prefix="kvsvc-fault-bench-"))
     try:
@@ -190,7 +259,7 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        failed, ok = handler_latencies(workdir, n_calls)
+        errors = error_latencies(workdir, seconds)
     except (KVServiceError, AssertionError, RuntimeError, queue.Empty) as exc:
         print(f"benchmark failed: {exc!r}", file=sys.stderr)
         return 1
@@ -219,15 +288,7 @@ def main() -> int:
         f"| Watch subscriber sees NOT_SERVING | {ms(statistics.median(col('watch')))} | "
         f"{ms(max(col('watch')))} |",
         "",
-        f"## Handler fault vs success ({n_calls} Lookups each, interleaved)",
-        "",
-        "| same Lookup | p50 ms | p99 ms | mean ms |",
-        "|---|---|---|---|",
-        f"| raises in handler (`handler.enter=Lookup@raise`) -> RemoteHandlerError | "
-        f"{ms(pct(failed, 50))} | {ms(pct(failed, 99))} | {ms(statistics.fmean(failed))} |",
-        f"| succeeds (normal server) | {ms(pct(ok, 50))} | {ms(pct(ok, 99))} | "
-        f"{ms(statistics.fmean(ok))} |",
-        "",
+        *error_tables(errors, seconds),
     ]
     table = "\n".join(lines)
     print(table)

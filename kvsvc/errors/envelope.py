@@ -39,18 +39,47 @@ def truncate_utf8(text: str, limit: int = MAX_MESSAGE_BYTES) -> tuple[str, bool]
 
 
 _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
+#: grpc.StatusCode -> the wire's Code (an enum's .value costs more than a dict hit).
+_PROTO_CODE = {s: error_pb2.Code.ValueType(s.value[0]) for s in grpc.StatusCode}
+MAX_METADATA_VALUE_BYTES = 1024
+MAX_TYPE_CHARS = 256
 
 
-def _status_to_proto(code: grpc.StatusCode) -> error_pb2.Code.ValueType:
-    return error_pb2.Code.ValueType(code.value[0])
+def _bounded(text: str, limit: int) -> tuple[str, bool]:
+    """truncate_utf8 without encoding text that cannot be over: a character is at
+    most 4 UTF-8 bytes (the short messages an error path carries skip the encode)."""
+    if len(text) * 4 <= limit:
+        return text, False
+    return truncate_utf8(text, limit)
+
+
+def describe(exc: BaseException) -> str:
+    """What ``traceback.format_exception_only`` says of ``exc`` ("module.Type:
+    message"), without building a TracebackException for the usual case."""
+    if isinstance(exc, SyntaxError) or getattr(exc, "__notes__", None):
+        return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    cls = type(exc)
+    name = cls.__qualname__
+    if cls.__module__ not in ("builtins", "__main__"):
+        name = f"{cls.__module__}.{name}"
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - as traceback does for a __str__ that raises
+        text = "<exception str() failed>"
+    return f"{name}: {text}" if text else name
 
 
 def to_remote_error(
-    exc: BaseException, request_id: str, default_state: TransferState = NO_TRANSFER
+    exc: BaseException,
+    request_id: str,
+    default_state: TransferState = NO_TRANSFER,
+    into: error_pb2.RemoteError | None = None,
 ) -> error_pb2.RemoteError:
     """Build the bounded envelope for ``exc``; the traceback never goes on the wire.
 
-    ``default_state`` is what the caller knows of the transfer when ``exc`` says nothing.
+    ``default_state`` is what the caller knows of the transfer when ``exc`` says
+    nothing. ``into``: fill this (empty) message in place, e.g. a response's
+    ``error`` field, rather than a new one its constructor would copy.
     """
     if isinstance(exc, KVServiceError):
         cls_code, reason, retryable = exc.code, exc.reason, exc.retryable
@@ -59,20 +88,24 @@ def to_remote_error(
     else:
         cls_code, reason, retryable = grpc.StatusCode.INTERNAL, RemoteHandlerError.reason, False
         metadata, state, type_name = {}, NO_TRANSFER, type(exc).__name__
-        message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    text, cut = truncate_utf8(message)
-    return error_pb2.RemoteError(
-        envelope_version=ENVELOPE_VERSION,
-        type=type_name[:256],
-        message=text,
-        message_truncated=cut,
-        code=_status_to_proto(cls_code),
-        reason=reason[:MAX_REASON_CHARS],
-        metadata={k: truncate_utf8(v, 1024)[0] for k, v in metadata.items()},
-        request_id=request_id,
-        retryable=retryable,
-        transfer_state=error_pb2.TransferState.ValueType(state or default_state),
-    )
+        message = describe(exc)
+    env = error_pb2.RemoteError() if into is None else into
+    env.envelope_version = ENVELOPE_VERSION
+    env.type = type_name[:MAX_TYPE_CHARS]
+    env.message, cut = _bounded(message, MAX_MESSAGE_BYTES)
+    if cut:
+        env.message_truncated = True
+    env.code = _PROTO_CODE.get(cls_code, error_pb2.CODE_UNKNOWN)
+    env.reason = reason[:MAX_REASON_CHARS]
+    if metadata:
+        target = env.metadata
+        for k, v in metadata.items():
+            target[k] = _bounded(v, MAX_METADATA_VALUE_BYTES)[0]
+    env.request_id = request_id
+    if retryable:
+        env.retryable = True
+    env.transfer_state = error_pb2.TransferState.ValueType(state or default_state)
+    return env
 
 
 def from_remote_error(err: error_pb2.RemoteError) -> KVServiceError:

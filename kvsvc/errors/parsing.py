@@ -43,26 +43,38 @@ class Unparsed:
 
 
 class BoundedLog:
-    """At most one WARNING per ``interval_s``, counting what it held back: a peer
-    sending garbage must not be able to fill the log."""
+    """At most ``lines`` lines per ``interval_s``, counting what it held back (said
+    in the next line it lets through): a peer sending garbage, or a flood of
+    failing requests, must not be able to fill the log or spend the server's time
+    writing it (a log line costs tens of microseconds, a Lookup a hundred or so)."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float, lines: int = 1) -> None:
         self.logger = logger
         self.interval_s = interval_s
-        self._last = -math.inf
+        self.lines = lines
+        self._since = -math.inf  # when the current interval began
+        self._used = 0
         self._held = 0
         self._lock = threading.Lock()
 
     def warning(self, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, msg, *args)
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
         now = time.monotonic()
         with self._lock:
-            if now - self._last < self.interval_s:
+            if now - self._since >= self.interval_s:
+                self._since, self._used = now, 0
+            if self._used >= self.lines:
                 self._held += 1
                 return
-            held, self._held, self._last = self._held, 0, now
+            self._used += 1
+            held, self._held = self._held, 0
         if held:
-            msg += f" ({held} more since the last such message)"
-        self.logger.warning(msg, *args)
+            msg += f" ({held} more such messages not logged since the last one)"
+        self.logger.log(level, msg, *args)
 
 
 MALFORMED_LOG_INTERVAL_S = 10.0

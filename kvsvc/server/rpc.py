@@ -21,6 +21,7 @@ from kvsvc.errors import (
     FINISHED,
     NO_TRANSFER,
     NOT_STARTED,
+    BoundedLog,
     DeadlineExceeded,
     FatalServerError,
     KVServiceError,
@@ -155,7 +156,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 log.info("%s %s cancelled by the client", name, call.request_id)
                 raise
             except BaseException as exc:  # noqa: BLE001 - the contract: every failure gets a reply
-                response = await _error(self, name, call, exc, response_cls)
+                response = _error(self, name, call, exc, response_cls)
                 outcome = response.error.reason
                 return response
             finally:
@@ -207,21 +208,86 @@ async def _bounded(
         ) from None
 
 
-async def _error(
+#: A traceback already logged in full is logged in full again after this long.
+TRACEBACK_INTERVAL_S = 60.0
+#: How many distinct tracebacks are remembered (beyond, the oldest is forgotten).
+TRACEBACK_KINDS = 1024
+#: Lines a second for request errors (a bad key, a full store: the caller's typed
+#: error says it all; kvsvc_requests_total counts every one by reason), and as many
+#: for handler failures whose traceback is already logged. A line costs tens of
+#: microseconds, more than the rest of an error's answer: one per failure let a
+#: flood of failing calls cost twice as many successful ones.
+ERROR_LINES_PER_S = 20
+
+
+class Tracebacks:
+    """Logs a handler failure's traceback under its request id once per kind: in
+    full the first time a traceback is seen (and again every ``interval_s``), and
+    a failure with the same traceback (same exception type, frames and cause) as
+    one line naming the request whose log holds it, at most ERROR_LINES_PER_S a
+    second. Formatting a traceback costs about 1 ms (Python 3.11 parses each
+    frame's source line for its carets): paid on every failure, a failing handler
+    made each of its errors cost twice a result and slowed everyone else's calls."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = TRACEBACK_INTERVAL_S) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.repeats = BoundedLog(logger, 1.0, ERROR_LINES_PER_S)
+        #: signature -> (request id whose log line holds the traceback, when logged)
+        self._seen: dict[tuple[Any, ...], tuple[str, float]] = {}
+
+    def error(self, name: str, request_id: str, exc: BaseException) -> None:
+        sig = _signature(exc)
+        now = monotonic()
+        seen = self._seen.get(sig)
+        if seen is not None and now - seen[1] < self.interval_s:
+            self.repeats.log(
+                logging.ERROR,
+                "%s %s failed: %s: %s (traceback as logged for request %s)",
+                name, request_id, type(exc).__name__, exc, seen[0],
+            )  # fmt: skip
+            return
+        if seen is None and len(self._seen) >= TRACEBACK_KINDS:
+            del self._seen[next(iter(self._seen))]  # the first logged of those kept
+        self._seen.pop(sig, None)
+        self._seen[sig] = (request_id, now)
+        self.logger.error("%s %s failed", name, request_id, exc_info=exc)
+
+
+def _signature(exc: BaseException, depth: int = 0) -> tuple[Any, ...]:
+    """What makes two tracebacks the same: the exception's type, each frame's code
+    and line, and the same of its cause or context (walked, never formatted)."""
+    frames: list[Any] = [type(exc)]
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if inner is not None and depth < 4:
+        frames.append(_signature(inner, depth + 1))
+    return tuple(frames)
+
+
+_tracebacks = Tracebacks(log)
+_request_errors = BoundedLog(log, 1.0, ERROR_LINES_PER_S)
+
+
+def _error(
     served: Served, name: str, call: Call, exc: BaseException, response_cls: type[Any]
 ) -> Any:
     if isinstance(exc, KVServiceError) and not exc.fatal:
-        log.info("%s %s failed: %s", name, call.request_id, exc)
+        _request_errors.log(logging.INFO, "%s %s failed: %s", name, call.request_id, exc)
     else:  # the traceback stays here, found by the request id
-        log.error("%s %s failed", name, call.request_id, exc_info=exc)
+        _tracebacks.error(name, call.request_id, exc)
     # In a transfer RPC the engine has returned or raised by now, so no copy of
     # this call still runs: the state is FINISHED, or NOT_STARTED if none began.
     state = (FINISHED if call.started else NOT_STARTED) if call.transfer else NO_TRANSFER
-    envelope = to_remote_error(exc, call.request_id, state)
+    response = response_cls()
+    envelope = to_remote_error(exc, call.request_id, state, into=response.error)
     if getattr(exc, "fatal", False) or not isinstance(exc, Exception):
         served.fatal(
             exc
             if isinstance(exc, KVServiceError)
             else FatalServerError(envelope.message, reason=envelope.reason)
         )
-    return response_cls(error=envelope)
+    return response
