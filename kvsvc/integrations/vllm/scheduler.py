@@ -237,7 +237,9 @@ class KvsvcConnectorScheduler:
         if self.events is None:
             return []
         out = self.events.take(self.hints.hits, self.hints.fresh)
-        self.counters.update(self.events.counters)
+        if out:
+            self.counters.update(self.events.counters)
+            log.debug("kvsvc KV events: %s", self.events.counters)
         return out
 
     def shutdown(self) -> None:

@@ -3,10 +3,12 @@ and worker; they need a ``__main__`` guard, so tests run this as a script).
 
 ``python driver.py PLAN.json RESULT.json``. The plan names the model, the
 kv-transfer config (or none: the baseline) and a list of steps: ``generate``
-(prompts as token ids), ``serve`` (start ``kvsvc serve`` on the plan's port,
-with optional failpoints), ``kill`` (SIGKILL it), ``wait_mapped`` and
-``wait_stored`` (poll the server, bounded). The result holds each generate's
-output token ids, cached (= loaded) tokens and wall time, written after every
+(prompts as token ids; its own ``max_tokens`` optional), ``serve`` (start
+``kvsvc serve`` on the plan's port, with optional failpoints), ``kill`` (SIGKILL
+it), ``wait_mapped`` and ``wait_stored`` (poll the server, bounded), ``sleep``.
+The plan may also set ``kv_events_config``, ``prefix_caching`` and the server's
+``store_bytes``. The result holds each generate's output token ids, cached
+(= loaded) tokens and wall time, written after every
 step so a crash still leaves what ran."""
 
 from __future__ import annotations
@@ -103,13 +105,17 @@ def main() -> None:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**plan["kv_transfer_config"])
+    if plan.get("kv_events_config"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**plan["kv_events_config"])
     t0 = time.monotonic()
     llm = LLM(
         model=plan["model"],
         skip_tokenizer_init=True,
         dtype="bfloat16",
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=plan.get("prefix_caching", False),
         gpu_memory_utilization=0.15,
         max_model_len=plan.get("max_model_len", 2048),
         max_num_seqs=4,
@@ -127,13 +133,21 @@ def main() -> None:
             t = time.monotonic()
             rec["t_start"] = time.time()
             if step["do"] == "generate":
-                outs = llm.generate(
-                    [TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], params
-                )
+                sp = params
+                if "max_tokens" in step:
+                    sp = SamplingParams(
+                        temperature=0, max_tokens=step["max_tokens"], ignore_eos=True
+                    )
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp)
                 rec["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
                 rec["cached"] = [int(o.num_cached_tokens or 0) for o in outs]
             elif step["do"] == "serve":
-                server = KvsvcProcess(plan["port"], step.get("failpoints", ""), shm_dir)
+                server = KvsvcProcess(
+                    plan["port"],
+                    step.get("failpoints", ""),
+                    shm_dir,
+                    store_bytes=plan.get("store_bytes", "256M"),
+                )
             elif step["do"] == "kill":
                 assert server is not None
                 server.kill()
