@@ -187,10 +187,15 @@ def test_connector_reconnects_when_kvsvc_comes_back(faults, baseline) -> None:
 
 
 def test_kvsvc_killed_between_requests_is_a_miss(faults, baseline) -> None:
+    """Either the presence index already knew (unknown: the Lookup RPC failed, a
+    miss) or its hint was stale (the Retrieve failed: recomputed); never wrong."""
     killed = step(faults, "killed")
-    assert killed["cached"] == [0]
     assert killed["outputs"][0] == baseline["A"]
-    assert "failed after" in segment(faults, "killed")
+    log = segment(faults, "killed")
+    if "failed after" in log:
+        assert killed["cached"] == [0]
+    else:
+        assert re.search(r"load of request \S+ failed", log), log[-3000:]
 
 
 @pytest.mark.parametrize("name", ["fail", "delay", "stall"])
