@@ -64,6 +64,8 @@ class Chunk:
     meta_size: int = field(default=0)
     #: the tenant whose Store made it (kvsvc.server.auth): eviction weighs it by its share
     owner: str = ""
+    #: dropped while read-pinned (ChunkStore.discard): freed by its last release
+    discarded: bool = False
 
     @property
     def charged(self) -> int:
@@ -167,6 +169,36 @@ class ChunkStore:
     def release(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             chunk.readers -= 1
+            if chunk.discarded and chunk.readers == 0:  # its last reader: free it now
+                self._uncharge(chunk)
+
+    def discard(self, chunk: Chunk, reason: str) -> bool:
+        """Drop a committed chunk (on the loop; e.g. it failed its checksum): unlisted
+        at once, so no new reader finds it; its bytes are freed when its last reader
+        releases it (at once if none). Listeners are told ``removed(chunk, reason)``.
+        False if it was no longer listed (discarded or evicted already)."""
+        if self._chunks.get(chunk.key) is not chunk:
+            return False
+        del self._chunks[chunk.key]
+        pair: tuple[str, bytes] = (chunk.key[0], chunk.key[1])
+        if self._keys[pair] == 1:
+            del self._keys[pair]
+        else:
+            self._keys[pair] -= 1
+        chunk.discarded = True
+        if reason == "check_failed":
+            self.checksum_failures += 1
+        for listener in self.listeners:
+            listener.removed(chunk, reason)
+        if chunk.readers == 0:
+            self._uncharge(chunk)
+        return True
+
+    def _uncharge(self, chunk: Chunk) -> None:
+        """Give a discarded chunk's range and charge back."""
+        _free_range(self._free, chunk.offset, chunk.alloc_size)
+        self.used_bytes -= chunk.charged
+        self.used_by[chunk.owner] -= chunk.charged
 
     def buffer(self, chunk: Chunk) -> ChunkBuffer:
         """The chunk's bytes as the copy pieces see them (and check them)."""
