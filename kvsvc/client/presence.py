@@ -33,7 +33,13 @@ import grpc
 
 from kvsvc.client.calls import SERVICE, _header, _unwrap
 from kvsvc.client.native import KeyTable, new_table
-from kvsvc.errors import KVServiceError, ServiceUnavailable, from_grpc_error, from_remote_error
+from kvsvc.errors import (
+    KVServiceError,
+    ProtocolViolation,
+    ServiceUnavailable,
+    from_grpc_error,
+    from_remote_error,
+)
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 __all__ = ["STALE_AFTER_S", "AsyncPresenceIndex", "PresenceIndex", "ProtocolViolation"]
@@ -49,12 +55,6 @@ _WATCH = f"/{SERVICE.full_name}/WatchEvents"
 _INFO = f"/{SERVICE.full_name}/GetServerInfo"
 #: What ``on_batch`` is called with, after the batch was applied.
 BatchCallback = Callable[[pb.EventBatch], None]
-
-
-class ProtocolViolation(KVServiceError):
-    """The stream broke the contract (a gap, a duplicate, a live batch before the
-    snapshot ended, another incarnation without ``lost``): the index drops its
-    cursor and resyncs from a fresh snapshot."""
 
 
 class _State:
@@ -149,7 +149,7 @@ class _State:
         if batch.lost or batch.snapshot:
             pending = self._pending
             if pending is None:
-                raise ProtocolViolation("a snapshot batch without lost", reason="EVENTS_PROTOCOL")
+                raise ProtocolViolation("a snapshot batch without lost")
             for event in batch.events:
                 self._event(pending, event)
             if batch.snapshot_done:
@@ -165,19 +165,16 @@ class _State:
                 self._on_batch(batch)
             except Exception as exc:  # the caller's code: log it, keep the index
                 log.exception("presence index: on_batch raised")
-                self.error = KVServiceError(f"on_batch raised: {exc!r}", reason="CALLBACK")
+                self.error = KVServiceError(f"on_batch raised: {exc!r}", reason="EVENTS_CALLBACK")
 
     def _live(self, batch: pb.EventBatch) -> None:
         if self._pending is not None or self.cursor is None:
-            raise ProtocolViolation(
-                "a live batch before the snapshot ended", reason="EVENTS_PROTOCOL"
-            )
+            raise ProtocolViolation("a live batch before the snapshot ended")
         incarnation, sequence = self.cursor
         if batch.incarnation != incarnation:
             raise ProtocolViolation(
                 f"a batch of incarnation {batch.incarnation!r} without lost (following "
                 f"{incarnation!r})",
-                reason="EVENTS_PROTOCOL",
             )
         # Each event has its own number, and the server leaves out the events of
         # namespaces this watcher does not see: k events ending at s number at
@@ -186,7 +183,6 @@ class _State:
             raise ProtocolViolation(
                 f"{len(batch.events)} events ending at {batch.sequence} after {sequence}: "
                 "a duplicate",
-                reason="EVENTS_PROTOCOL",
             )
         for event in batch.events:
             self._event(self._table, event)
@@ -204,7 +200,7 @@ class _State:
         elif kind == "cleared":
             table.clear()
         else:  # a newer server's kind: what it means for presence is unknown
-            raise ProtocolViolation(f"an event of unknown kind {kind!r}", reason="EVENTS_PROTOCOL")
+            raise ProtocolViolation(f"an event of unknown kind {kind!r}")
 
     def _bit(self, layout: str, tier: int) -> int:
         """The table's bit for a (layout, tier) pair: numbered as they appear."""

@@ -238,5 +238,15 @@ class FatalServerError(RemoteHandlerError):
     fatal = True
 
 
+# --- streams (declared after RemoteHandlerError: INTERNAL stays a handler's) ---
+class ProtocolViolation(KVServiceError):
+    """A stream broke its contract (a gap, a duplicate, a live batch before the
+    snapshot ended, another incarnation without ``lost``): a follower drops its
+    cursor and resyncs from a fresh snapshot."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "EVENTS_PROTOCOL"
+
+
 # TransferUnprovable is declared first with UNKNOWN, but an unknown failure is a handler's.
 _BY_CODE[grpc.StatusCode.UNKNOWN] = RemoteHandlerError

@@ -29,6 +29,7 @@ from kvsvc.errors.classes import (
     Miss,
     NotFound,
     PermissionDenied,
+    ProtocolViolation,
     RegionUnavailable,
     RemoteHandlerError,
     ServiceNotServing,
@@ -305,6 +306,25 @@ _CATALOGUE: tuple[Reason, ...] = (
         TransferUnprovable,
         "a transfer's reply was lost after it may have reached the server: "
         "keep the blocks leased, fence first",
+        client=True,
+    ),
+    _reason(
+        "EVENTS_PROTOCOL",
+        ProtocolViolation,
+        "an events stream broke its contract (gap, duplicate, incarnation without lost): "
+        "the follower resyncs",
+        client=True,
+    ),
+    _reason(
+        "EVENTS_LAYOUTS",
+        KVServiceError,
+        "a presence index saw more (layout, tier) pairs in one namespace than it tracks",
+        client=True,
+    ),
+    _reason(
+        "EVENTS_CALLBACK",
+        KVServiceError,
+        "a presence index's on_batch callback raised; the index keeps following",
         client=True,
     ),
     _reason("REGION_UNAVAILABLE", RegionUnavailable, "a mapped region cannot be used"),
