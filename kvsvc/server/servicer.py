@@ -78,6 +78,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         #: the local disk tier between memory and Redis (None: no --disk-dir)
         self.disk = DiskTier(config, self.store, self.loop) if config.tiers.disk_dir else None
         if self.disk is not None:
+            self.disk.events = self.events
             self.store.listeners.append(self.disk)
             if config.tiers.disk_wait_index:
                 health.hold("disk_index")
