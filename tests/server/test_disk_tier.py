@@ -1,0 +1,283 @@
+"""The local disk tier as a user relies on it (issue 33): chunks outlive the process
+(SIGTERM, and kill -9 once --disk-sync made them durable) and come back bit-exact
+from disk; a file deleted, truncated or corrupted under the server is a miss (the
+bad file quarantined), never an error or wrong bytes; an unwritable --disk-dir is
+one line and exit 2; health waits for the index; a full disk skips writes and
+fails no call; and without --disk-dir nothing touches the disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support import NOT_SERVING, SERVING, health_status, wait_health
+
+from kvsvc.client import KVCacheClient
+from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, file_name
+
+pytestmark = pytest.mark.slow  # starts servers or subprocesses
+
+MiB = 1 << 20
+CHUNK = 256 << 10
+NS = "ns"
+#: the layout inline Stores are kept under (part of a chunk's identity on disk)
+INLINE = "inline"
+
+
+def chunk_files(root: Path) -> list[Path]:
+    """The chunk files in place (not temporaries, not quarantined)."""
+    return [p for p in root.glob(f"??/*{SUFFIX}") if p.is_file()]
+
+
+def wait_files(root: Path, n: int, limit: float = 15) -> None:
+    """Until ``n`` chunk files are in place (the write-behind is done with them)."""
+    end = time.monotonic() + limit
+    while len(chunk_files(root)) < n:
+        assert time.monotonic() < end, f"{len(chunk_files(root))} of {n} files after {limit} s"
+        time.sleep(0.02)
+
+
+def make_chunks(n: int, tag: bytes = b"k") -> list[tuple[bytes, bytes]]:
+    return [(tag + b"-%03d" % i, os.urandom(CHUNK)) for i in range(n)]
+
+
+def put_one_by_one(c: KVCacheClient, chunks: list[tuple[bytes, bytes]], root: Path) -> None:
+    """Store each chunk and wait for its file: the write-behind queue (a quarter of a
+    small store) never overflows, so every chunk reaches the disk."""
+    before = len(chunk_files(root))
+    for i, item in enumerate(chunks):
+        assert c.put(NS, [item]).stored_chunks == 1
+        wait_files(root, before + i + 1)
+
+
+def check_all_back(c: KVCacheClient, chunks: list[tuple[bytes, bytes]]) -> None:
+    """Lookup counts every chunk (from disk), and each comes back bit-exact."""
+    assert c.lookup([k for k, _ in chunks], namespace=NS) == len(chunks)
+    for key, data in chunks:
+        assert c.get(NS, key) == data, key
+
+
+def test_a_warm_restart_serves_more_than_memory_holds_bit_exact(spawn, tmp_path: Path) -> None:
+    """40 x 256 KiB into an 8 MiB store: most were evicted from memory. After a
+    SIGTERM, then (with --disk-sync, whose Store replies once durable) a kill -9
+    right after the last reply, a restart on the same directory serves them all
+    from disk, bit-exact."""
+    root = tmp_path / "disk"
+    args = ("--store-bytes", "8M", "--disk-dir", str(root))
+    first = make_chunks(40, b"a")
+    srv = spawn(*args)
+    with KVCacheClient(srv.address) as c:
+        put_one_by_one(c, first, root)
+        assert c.server_info().evicted_chunks > 0  # memory could not hold them
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(30) == 0, srv.output()
+
+    srv = spawn(*args, "--disk-sync")
+    wait_health(srv.address, SERVING)
+    second = make_chunks(12, b"b")
+    with KVCacheClient(srv.address) as c:
+        check_all_back(c, first)
+        for key, data in second:  # durable on reply: no waiting for the files
+            assert c.put(NS, [(key, data)]).stored_chunks == 1
+    srv.signal(signal.SIGKILL)
+    srv.wait(30)
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    with KVCacheClient(srv.address) as c:
+        check_all_back(c, first + second)
+        info = c.server_info()
+        assert info.used_bytes <= info.capacity_bytes < len(first + second) * CHUNK
+
+
+def test_deleted_truncated_or_corrupted_files_are_misses_never_wrong_bytes(
+    spawn, tmp_path: Path
+) -> None:
+    """After a restart (memory empty, the index listing four files), one file is
+    deleted, one truncated, one has a flipped data byte: each is a miss (no error,
+    health SERVING), the damaged two are quarantined; the fourth comes back intact."""
+    root = tmp_path / "disk"
+    args = ("--store-bytes", "8M", "--disk-dir", str(root))
+    chunks = make_chunks(4, b"f")
+    srv = spawn(*args)
+    with KVCacheClient(srv.address) as c:
+        put_one_by_one(c, chunks, root)
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(30) == 0, srv.output()
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    paths = [root / file_name(NS, INLINE, key) for key, _ in chunks]
+    assert all(p.is_file() for p in paths), sorted(map(str, chunk_files(root)))
+    deleted, truncated, flipped, intact = paths
+    deleted.unlink()
+    os.truncate(truncated, PAGE + CHUNK // 2)
+    with open(flipped, "r+b") as f:
+        f.seek(PAGE + 1000)
+        byte = f.read(1)
+        f.seek(PAGE + 1000)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with KVCacheClient(srv.address) as c:
+        for i in range(3):
+            key, _ = chunks[i]
+            assert c.lookup([key], namespace=NS) == 1  # listed until read
+            assert c.get_many(NS, [key]) == []  # a miss, not an error
+            assert c.lookup([key], namespace=NS) == 0  # forgotten
+        key, data = chunks[3]
+        assert c.get(NS, key) == data
+        assert health_status(srv.address) == SERVING
+    quarantined = sorted(p.name for p in (root / QUARANTINE_DIR).iterdir())
+    expected = sorted(p.relative_to(root).as_posix().replace("/", "_") for p in paths[1:3])
+    end = time.monotonic() + 10  # quarantine runs on a reader thread after the reply
+    while quarantined != expected and time.monotonic() < end:
+        time.sleep(0.05)
+        quarantined = sorted(p.name for p in (root / QUARANTINE_DIR).iterdir())
+    assert quarantined == expected
+    assert not truncated.exists() and not flipped.exists() and intact.is_file()
+    assert srv.proc.poll() is None
+
+
+def test_an_unwritable_disk_dir_is_one_line_and_exit_2(shm_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    bad = blocker / "disk"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvsvc", "serve", "--listen", "127.0.0.1:0"),
+            *("--shm-dir", str(shm_dir), "--store-bytes", "8M", "--disk-dir", str(bad)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0], done.stderr
+
+
+@pytest.fixture
+def stuck_index(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A --disk-dir whose index rebuild blocks on a FIFO named like a chunk file
+    (its open waits for a writer) until the test opens it: the rebuild's end,
+    under the test's control. Always unblocked at teardown."""
+    root = tmp_path / "disk"
+    (root / "ab").mkdir(parents=True)
+    fifo = root / "ab" / f"ab{'0' * 38}{SUFFIX}"
+    os.mkfifo(fifo)
+    yield root, fifo
+    release(fifo, limit=0.5)
+
+
+def release(fifo: Path, limit: float = 15) -> None:
+    """Open the FIFO's write end once the rebuild has its read end open, and close it:
+    the rebuild reads an empty file, refuses it and goes on."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return  # quarantined already
+        except OSError:  # ENXIO: no reader yet
+            time.sleep(0.02)
+            continue
+        os.close(fd)
+        return
+
+
+def test_health_waits_for_the_index_unless_told_not_to(spawn, stuck_index) -> None:
+    root, fifo = stuck_index
+    srv = spawn("--store-bytes", "8M", "--disk-dir", str(root))
+    time.sleep(0.5)  # the rebuild is stuck; health must not turn SERVING meanwhile
+    assert health_status(srv.address) == NOT_SERVING
+    release(fifo)
+    wait_health(srv.address, SERVING)
+    assert not fifo.exists()  # refused (an empty "file") and quarantined
+    with KVCacheClient(srv.address) as c:
+        assert c.put(NS, [(b"x", b"y" * 100)]).stored_chunks == 1
+        assert c.get(NS, b"x") == b"y" * 100
+
+
+def test_serving_at_once_with_disk_wait_index_off(spawn, stuck_index) -> None:
+    root, fifo = stuck_index
+    srv = spawn("--store-bytes", "8M", "--disk-dir", str(root), "--no-disk-wait-index")
+    wait_health(srv.address, SERVING)
+    with KVCacheClient(srv.address) as c:
+        assert c.put(NS, [(b"x", b"y" * 100)]).stored_chunks == 1
+        assert c.get(NS, b"x") == b"y" * 100
+    release(fifo)
+
+
+def test_off_by_default_no_directory_is_made(make_server, tmp_path: Path) -> None:
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        srv = make_server(store_bytes=8 * MiB)
+        assert srv.server.servicer.disk is None
+        with KVCacheClient(srv.address) as c:
+            chunks = make_chunks(40, b"d")
+            for item in chunks:
+                c.put(NS, [item])
+            assert c.lookup([k for k, _ in chunks], namespace=NS) < len(chunks)  # evicted: gone
+    finally:
+        os.chdir(cwd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (root only; the test is skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=False)
+
+
+def test_a_full_disk_skips_writes_and_fails_no_call(make_server, small_tmpfs: Path) -> None:
+    """10 MiB through a 4 MiB filesystem with a disk capacity far above it: every
+    Store succeeds, writes past ENOSPC are skipped and counted, and every Retrieve
+    is the stored bytes or a miss (from memory or disk), never other bytes."""
+    root = small_tmpfs / "disk"
+    srv = make_server(store_bytes=8 * MiB, disk_dir=str(root), disk_capacity=1 << 30)
+    disk = srv.server.servicer.disk
+    assert disk is not None
+    chunks = make_chunks(40, b"full")
+    with KVCacheClient(srv.address) as c:
+        wait_health(srv.address, SERVING)
+        for i, item in enumerate(chunks):
+            assert c.put(NS, [item]).stored_chunks == 1
+            end = time.monotonic() + 15  # each write done (written or skipped) before the next
+            while disk.stats.writes + disk.stats.skipped_full + disk.stats.write_errors <= i:
+                assert time.monotonic() < end, disk.stats
+                time.sleep(0.02)
+        stats = disk.stats
+        assert stats.skipped_full > 0 and stats.writes > 0, stats
+        assert stats.write_errors == 0 and stats.skipped_queue == 0, stats
+        served = 0
+        for key, data in chunks:
+            got = c.get_many(NS, [key])
+            assert got in ([], [data]), key
+            served += len(got)
+        assert c.server_info().evicted_chunks > 0
+        assert disk.stats.hits > 0, disk.stats  # some came back from the full disk
+    print(f"disk full: {stats.writes} written, {stats.skipped_full} skipped, {served}/40 served")
