@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import NOT_SERVING, SERVING, health_status, wait_health
+from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_health
 
 from kvsvc.client import KVCacheClient
-from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, file_name
+from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, TMP_DIR, file_name
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
@@ -281,3 +281,43 @@ def test_a_full_disk_skips_writes_and_fails_no_call(make_server, small_tmpfs: Pa
         assert c.server_info().evicted_chunks > 0
         assert disk.stats.hits > 0, disk.stats  # some came back from the full disk
     print(f"disk full: {stats.writes} written, {stats.skipped_full} skipped, {served}/40 served")
+
+
+def test_a_restart_refuses_damaged_files_and_drops_interrupted_writes(
+    config, tmp_path: Path
+) -> None:
+    """Damage done while the server is down (a torn header, a short file, a leftover
+    temporary of a write a crash cut): the rebuilt index lists only the good files,
+    the bad ones are counted by kind and quarantined, the temporary removed."""
+    root = tmp_path / "disk"
+    cfg = config.replace(store_bytes=8 * MiB, disk_dir=str(root))
+    chunks = make_chunks(3, b"r")
+    st = ServerThread(cfg)
+    try:
+        with KVCacheClient(st.address) as c:
+            put_one_by_one(c, chunks, root)
+    finally:
+        st.stop()
+    torn, short, good = (root / file_name(NS, INLINE, key) for key, _ in chunks)
+    with open(torn, "r+b") as f:
+        f.seek(20)  # inside the header's identity: its CRC no longer checks
+        f.write(b"\xff\xff")
+    os.truncate(short, PAGE + 10)
+    (root / TMP_DIR / "interrupted").write_bytes(b"half a chunk")
+    st = ServerThread(cfg)
+    try:
+        wait_health(st.address, SERVING)
+        disk = st.server.servicer.disk
+        assert disk is not None
+        assert disk.stats.indexed_chunks == 1
+        assert disk.stats.refused == {"bad_header": 1, "truncated": 1}, disk.stats
+        assert sorted(p.name for p in (root / QUARANTINE_DIR).iterdir()) == sorted(
+            p.relative_to(root).as_posix().replace("/", "_") for p in (torn, short)
+        )
+        assert list((root / TMP_DIR).iterdir()) == [] and good.is_file()
+        with KVCacheClient(st.address) as c:
+            assert c.lookup([k for k, _ in chunks], namespace=NS) == 0
+            assert c.lookup([chunks[2][0]], namespace=NS) == 1
+            assert c.get(NS, chunks[2][0]) == chunks[2][1]
+    finally:
+        st.stop()
