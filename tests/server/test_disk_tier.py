@@ -7,10 +7,12 @@ fails no call; and without --disk-dir nothing touches the disk."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,9 @@ import pytest
 from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_health
 
 from kvsvc.client import KVCacheClient
+from kvsvc.server.tiers.disk import tier as disk_tier
 from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, TMP_DIR, file_name
+from kvsvc.server.tiers.disk.index import Rebuilt, rebuild
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
@@ -163,55 +167,74 @@ def test_an_unwritable_disk_dir_is_one_line_and_exit_2(shm_dir: Path, tmp_path: 
 
 
 @pytest.fixture
-def stuck_index(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A --disk-dir whose index rebuild blocks on a FIFO named like a chunk file
-    (its open waits for a writer) until the test opens it: the rebuild's end,
-    under the test's control. Always unblocked at teardown."""
+def held_rebuild(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The real index rebuild, started only once the test sets the event (its end
+    under the test's control; set at teardown in any case)."""
+    gate = threading.Event()
+
+    def gated(root: str) -> Rebuilt:
+        assert gate.wait(30), "the test never let the rebuild run"
+        return rebuild(root)
+
+    monkeypatch.setattr(disk_tier, "rebuild", gated)
+    yield gate
+    gate.set()
+
+
+@pytest.mark.parametrize("wait_index", [True, False])
+def test_health_waits_for_the_index_unless_told_not_to(
+    config, tmp_path: Path, held_rebuild: threading.Event, wait_index: bool
+) -> None:
+    """With --disk-wait-index (the default) health is NOT_SERVING until the index is
+    rebuilt, then SERVING with the disk's chunks listed; with --no-disk-wait-index
+    it serves at once (disk hits appear as the index lands)."""
+    root = tmp_path / "disk"
+    cfg = config.replace(store_bytes=8 * MiB, disk_dir=str(root), disk_wait_index=wait_index)
+    chunks = make_chunks(2, b"h")
+    held_rebuild.set()
+    st = ServerThread(cfg)
+    try:
+        with KVCacheClient(st.address) as c:
+            put_one_by_one(c, chunks, root)
+    finally:
+        st.stop()
+    held_rebuild.clear()
+    st = ServerThread(cfg)
+    try:
+        if wait_index:
+            time.sleep(0.5)  # the rebuild is held: health must not turn SERVING meanwhile
+            assert health_status(st.address) == NOT_SERVING
+        else:
+            wait_health(st.address, SERVING)
+        with KVCacheClient(st.address) as c:
+            assert c.lookup([k for k, _ in chunks], namespace=NS) == 0  # not listed yet
+            held_rebuild.set()
+            wait_health(st.address, SERVING)
+            end = time.monotonic() + 10  # --no-disk-wait-index: listed once indexed
+            while c.lookup([k for k, _ in chunks], namespace=NS) < 2:
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            assert all(c.get(NS, k) == v for k, v in chunks)
+    finally:
+        st.stop()
+
+
+def test_a_fifo_named_like_a_chunk_file_does_not_hang_the_rebuild(spawn, tmp_path: Path) -> None:
+    """Not a regular file: refused and quarantined, health SERVING (its open used to
+    wait for a writer for ever, holding health NOT_SERVING)."""
     root = tmp_path / "disk"
     (root / "ab").mkdir(parents=True)
     fifo = root / "ab" / f"ab{'0' * 38}{SUFFIX}"
     os.mkfifo(fifo)
-    yield root, fifo
-    release(fifo, limit=0.5)
-
-
-def release(fifo: Path, limit: float = 15) -> None:
-    """Open the FIFO's write end once the rebuild has its read end open, and close it:
-    the rebuild reads an empty file, refuses it and goes on."""
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return  # quarantined already
-        except OSError:  # ENXIO: no reader yet
-            time.sleep(0.02)
-            continue
-        os.close(fd)
-        return
-
-
-def test_health_waits_for_the_index_unless_told_not_to(spawn, stuck_index) -> None:
-    root, fifo = stuck_index
-    srv = spawn("--store-bytes", "8M", "--disk-dir", str(root))
-    time.sleep(0.5)  # the rebuild is stuck; health must not turn SERVING meanwhile
-    assert health_status(srv.address) == NOT_SERVING
-    release(fifo)
-    wait_health(srv.address, SERVING)
-    assert not fifo.exists()  # refused (an empty "file") and quarantined
-    with KVCacheClient(srv.address) as c:
-        assert c.put(NS, [(b"x", b"y" * 100)]).stored_chunks == 1
-        assert c.get(NS, b"x") == b"y" * 100
-
-
-def test_serving_at_once_with_disk_wait_index_off(spawn, stuck_index) -> None:
-    root, fifo = stuck_index
-    srv = spawn("--store-bytes", "8M", "--disk-dir", str(root), "--no-disk-wait-index")
-    wait_health(srv.address, SERVING)
-    with KVCacheClient(srv.address) as c:
-        assert c.put(NS, [(b"x", b"y" * 100)]).stored_chunks == 1
-        assert c.get(NS, b"x") == b"y" * 100
-    release(fifo)
+    try:
+        srv = spawn("--store-bytes", "8M", "--disk-dir", str(root))
+        wait_health(srv.address, SERVING)
+        assert not fifo.exists()
+        assert [p.name for p in (root / QUARANTINE_DIR).iterdir()] == [f"ab_{fifo.name}"]
+        assert "not_a_file" in srv.output()  # logged once, by kind
+    finally:
+        with contextlib.suppress(OSError):  # unblock a rebuild that still waits
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def test_off_by_default_no_directory_is_made(make_server, tmp_path: Path) -> None:

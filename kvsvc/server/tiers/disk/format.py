@@ -9,6 +9,8 @@ the header's CRCs each time they are loaded back."""
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ TRUNCATED = "truncated"
 BAD_CHECKSUM = "bad_checksum"
 OTHER_CHUNK = "other_chunk"
 IO_ERROR = "io_error"
+NOT_A_FILE = "not_a_file"
 
 
 class Refused(Exception):
@@ -58,6 +61,21 @@ class Header:
     @property
     def file_bytes(self) -> int:
         return self.data_offset + self.size
+
+
+def open_file(path: str) -> tuple[int, os.stat_result]:
+    """A chunk file opened for reading, and its stat. Non-blocking, and refused
+    (NOT_A_FILE) unless a regular file: a FIFO or device named like a chunk would
+    otherwise hang the index rebuild (and health) or a reader thread for ever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(NOT_A_FILE, f"mode {stat.filemode(st.st_mode)}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def file_name(namespace: str, layout: str, key: bytes) -> str:

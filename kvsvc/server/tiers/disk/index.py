@@ -23,6 +23,7 @@ from kvsvc.server.tiers.disk.format import (
     TRUNCATED,
     Refused,
     file_name,
+    open_file,
     parse_header,
 )
 
@@ -158,9 +159,8 @@ def rebuild(root: str) -> Rebuilt:
 
 
 def _read_entry(root: str, rel: str) -> tuple[int, ChunkKey, Entry]:
-    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+    fd, st = open_file(os.path.join(root, rel))
     try:
-        st = os.fstat(fd)
         head = parse_header(os.pread(fd, PAGE, 0) if st.st_size > 0 else b"")
         if head.data_offset > PAGE:  # a long key or many segments: read all of it
             head = parse_header(os.pread(fd, head.data_offset, 0))

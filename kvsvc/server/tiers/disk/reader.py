@@ -25,6 +25,7 @@ from kvsvc.server.tiers.disk.format import (
     PAGE,
     TRUNCATED,
     Refused,
+    open_file,
     parse_header,
     verify,
 )
@@ -105,9 +106,11 @@ class Reader:
         chunk, entry = job.chunk, job.entry
         path = os.path.join(self.root, entry.name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, _ = open_file(path)
         except FileNotFoundError:
             return None, "gone"
+        except Refused as exc:
+            return None, exc.kind
         except OSError:
             return None, IO_ERROR
         try:
