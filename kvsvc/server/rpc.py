@@ -83,6 +83,18 @@ class Served(Protocol):
         """Stop serving (on the loop)."""
 
 
+def check_envelope_version(header: Any) -> None:
+    """UNSUPPORTED_ENVELOPE_VERSION unless the client reads the envelope we write
+    (every RPC: the wrapper's, and the events stream's, which has none)."""
+    if header.envelope_version not in (0, ENVELOPE_VERSION):
+        raise UnsupportedRequest(
+            f"envelope version {header.envelope_version} is not spoken here "
+            f"(this server speaks {ENVELOPE_VERSION})",
+            reason="UNSUPPORTED_ENVELOPE_VERSION",
+            metadata={"envelopeVersion": header.envelope_version, "supported": ENVELOPE_VERSION},
+        )
+
+
 def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any]:
     """The one wrapper every RPC goes through: no exception leaves it, no request is dropped.
 
@@ -97,17 +109,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             if failpoints.ENABLED:
                 failpoints.hit("loop.stall", name)
                 await failpoints.hit_async("handler.enter", name)
-            header = request.header
-            if header.envelope_version not in (0, ENVELOPE_VERSION):
-                raise UnsupportedRequest(
-                    f"envelope version {header.envelope_version} is not spoken here "
-                    f"(this server speaks {ENVELOPE_VERSION})",
-                    reason="UNSUPPORTED_ENVELOPE_VERSION",
-                    metadata={
-                        "envelopeVersion": header.envelope_version,
-                        "supported": ENVELOPE_VERSION,
-                    },
-                )
+            check_envelope_version(request.header)
             if transfer:
                 self.health.check_serving()
                 self.admit(call)

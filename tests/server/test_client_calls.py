@@ -17,6 +17,10 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 # What `import kvsvc.client` may load: the wire types, errors, limits, framing, ids
 # and the client's own modules. A module added here must hold no server code.
 CLIENT_MODULES = {
+    "kvsvc.client.presence",
+    "kvsvc.client.native",
+    "kvsvc.client.native._presence",
+    "kvsvc.client.native.table",
     "kvsvc",
     "kvsvc.client",
     "kvsvc.client.calls",
@@ -32,7 +36,13 @@ CLIENT_MODULES = {
     "kvsvc.v1.kv_cache_service_pb2",
 }
 # In the asyncio client these return an asyncio.Task or are plain reads.
-NOT_COROUTINES = {"store_async", "retrieve_async", "leased_blocks", "unproven_transfers"}
+NOT_COROUTINES = {
+    "store_async",
+    "retrieve_async",
+    "leased_blocks",
+    "unproven_transfers",
+    "presence",  # returns the index at once; it follows the stream in the background
+}
 
 
 def public(cls: type) -> dict[str, inspect.Signature]:
@@ -75,7 +85,8 @@ def test_the_table_of_calls_covers_the_service_with_its_own_types() -> None:
     methods = {call.method for call in calls.CALLS}
     # Session carries Lookup, Store, Retrieve and Fence (kvsvc.client.session), not a
     # call of its own.
-    assert methods == set(calls.SERVICE.methods_by_name) - {"Session"}
+    # WatchEvents is followed by the presence index (kvsvc.client.presence).
+    assert methods == set(calls.SERVICE.methods_by_name) - {"Session", "WatchEvents"}
     assert set(session.FIELDS) <= methods
     for call in calls.CALLS:
         assert call.request is getattr(pb, f"{call.method}Request")

@@ -17,14 +17,14 @@ from typing import Any
 
 import grpc
 
-from kvsvc.errors import NO_TRANSFER, KVServiceError, to_remote_error
+from kvsvc.errors import NO_TRANSFER, KVServiceError, Unparsed, to_remote_error
 from kvsvc.ids import new_request_id
 from kvsvc.server.auth import Tenant, current_tenant
 from kvsvc.server.checks import check_namespace
 from kvsvc.server.data.store import Chunk
 from kvsvc.server.events.log import EventLog, RemoteKey
 from kvsvc.server.events.ring import CLEARED, REMOVED, STORED, Event
-from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.rpc import LOGGER, Call, check_envelope_version
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)
@@ -60,7 +60,7 @@ class Watchers:
         self.events.loop.call_later(END_WRITE_S, cut)
 
     async def serve(
-        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchEventsRequest | Unparsed, context: grpc.aio.ServicerContext
     ) -> None:
         """Batches until the log ends (fatal failure, shutdown) with an error batch,
         the client goes away, or a request error (bad namespace) is answered."""
@@ -72,12 +72,18 @@ class Watchers:
             self._streams.add(task)
         try:
             try:
+                if isinstance(request, Unparsed):  # its bytes did not parse
+                    raise request.error
+                check_envelope_version(request.header)
                 view = _view(current_tenant(), request, request_id)
                 page = request.snapshot_page_keys or self.page_keys
                 page = min(page, self.page_keys * 16)
                 await self._follow(request, context, view, page)
             except asyncio.CancelledError:
                 raise
+            except _ClientGone as exc:
+                log.info("WatchEvents %s: the client went away (%s)", request_id, exc)
+                return
             except Exception as exc:  # answered, never dropped
                 if context.done():  # the client went away: nobody reads an answer
                     log.info("WatchEvents %s: the client went away (%r)", request_id, exc)
@@ -155,7 +161,16 @@ class Watchers:
 
     async def _write(self, context: grpc.aio.ServicerContext, batch: pb.EventBatch) -> None:
         batch.incarnation = self.events.incarnation
-        await context.write(pb.WatchEventsResponse(batch=batch))
+        try:
+            await context.write(pb.WatchEventsResponse(batch=batch))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # grpc's ExecuteBatchError: the client hung up mid-write
+            raise _ClientGone(repr(exc)) from exc
+
+
+class _ClientGone(Exception):
+    """A write failed because the watcher went away: nobody is left to answer."""
 
 
 def _view(
