@@ -79,6 +79,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.disk = DiskTier(config, self.store, self.loop) if config.tiers.disk_dir else None
         if self.disk is not None:
             self.disk.events = self.events
+            self.events.disk_contents = self.disk.contents
             self.store.listeners.append(self.disk)
             if config.tiers.disk_wait_index:
                 health.hold("disk_index")

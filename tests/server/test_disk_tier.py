@@ -407,3 +407,32 @@ def test_a_kill_9_mid_writes_leaves_no_torn_chunk(spawn, tmp_path: Path) -> None
             served += len(got)
     assert served >= 10, served
     print(f"kill -9 mid writes: {served}/60 chunks back")
+
+
+def test_a_warm_restart_reports_the_disk_contents_in_the_events_snapshot(
+    spawn, tmp_path: Path
+) -> None:
+    """A presence index opened on the new incarnation learns from its snapshot what
+    the rebuilt disk index holds (memory is empty after the restart): the keys on
+    disk are hits, others are not."""
+    root = tmp_path / "disk"
+    args = ("--store-bytes", "8M", "--disk-dir", str(root))
+    chunks = make_chunks(6, b"e")
+    srv = spawn(*args)
+    with KVCacheClient(srv.address) as c:
+        put_one_by_one(c, chunks, root)
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(30) == 0, srv.output()
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    keys = [k for k, _ in chunks] + [b"absent"]
+    with KVCacheClient(srv.address) as c:
+        assert c.server_info().used_bytes == 0  # nothing in memory: all on disk
+        with c.presence(NS) as index:
+            end = time.monotonic() + 30
+            while (hits := index.hits(keys)) is None:
+                assert time.monotonic() < end, "the presence index never became fresh"
+                time.sleep(0.02)
+            assert hits == [True] * len(chunks) + [False]
+            assert index.prefix_hits(keys) == len(chunks)

@@ -72,7 +72,9 @@ def test_log_coalesces_one_turn_and_starts_with_cleared() -> None:
         log.stored("ns", [b"r2"], "L", 7, pb.TIER_REDIS)  # already announced: no news
         log.removed("ns", [b"never"], "L", pb.REMOVAL_REASON_TIER_DROPPED, pb.TIER_REDIS)
         log.flush()
-        point, chunks, remote = log.snapshot()
+        point, chunks, below = log.snapshot()
+        assert [tier for tier, _ in below] == [pb.TIER_REDIS]  # no disk tier here
+        remote = below[0][1]
         assert chunks == [] and [k for (_, k, _), _ in remote] == [b"r1", b"r2"]
         tail = log.ring.after(3, 10) or []
         kinds = [(e.kind, e.keys) for e in tail]

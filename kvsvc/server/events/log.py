@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvsvc.server.data.store import Chunk, ChunkStore
 from kvsvc.server.events.ring import CLEARED, REMOVED, STORED, Event, EventRing
@@ -31,6 +31,8 @@ REMOVAL_REASONS = {
 MAX_EVENT_KEYS = 1024
 
 RemoteKey = tuple[str, bytes, str]  # (namespace, key, layout) in the remote tier
+#: a tier below memory as a snapshot lists it: (tier, [(key, bytes), ...])
+Below = tuple[int, list[tuple[RemoteKey, int]]]
 
 
 class _Pending:
@@ -81,6 +83,9 @@ class EventLog:
         #: what a snapshot says of the remote tier; bounded, the oldest forgotten loudly
         self.remote: OrderedDict[RemoteKey, int] = OrderedDict()
         self.remote_keys = remote_keys
+        #: the disk tier's listing (DiskTier.contents), when the server has one: a
+        #: snapshot names what it holds, so a warm restart's contents reach the indexes
+        self.disk_contents: Callable[[], Iterable[tuple[RemoteKey, int]]] | None = None
         self.published = 0  # events that reached the ring
         self.resyncs = 0  # lost batches sent
         self.watching = 0  # open WatchEvents streams
@@ -176,12 +181,16 @@ class EventLog:
                 hook()
 
     # --- the snapshot point ---
-    def snapshot(self) -> tuple[int, list[Chunk], list[tuple[RemoteKey, int]]]:
-        """(S, chunks present at S, remote keys announced at S), taken at once on the
-        loop: events after S are exactly what changed since. Costs one reference per
-        present chunk and one tuple per announced remote key (no key bytes copied)."""
+    def snapshot(self) -> tuple[int, list[Chunk], list[Below]]:
+        """(S, chunks present at S, what each tier below memory holds at S), taken at
+        once on the loop: events after S are exactly what changed since. Costs one
+        reference per present chunk and one tuple per key below (no key bytes copied)."""
         self.flush()
-        return self.ring.last, self.store.chunks(), list(self.remote.items())
+        below: list[Below] = []
+        if self.disk_contents is not None:
+            below.append((pb.TIER_DISK, list(self.disk_contents())))
+        below.append((pb.TIER_REDIS, list(self.remote.items())))
+        return self.ring.last, self.store.chunks(), below
 
 
 class StoreEvents:

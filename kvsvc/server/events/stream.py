@@ -22,7 +22,7 @@ from kvsvc.ids import new_request_id
 from kvsvc.server.auth import Tenant, current_tenant
 from kvsvc.server.checks import check_namespace
 from kvsvc.server.data.store import Chunk
-from kvsvc.server.events.log import EventLog, RemoteKey
+from kvsvc.server.events.log import Below, EventLog
 from kvsvc.server.events.ring import CLEARED, REMOVED, STORED, Event
 from kvsvc.server.rpc import LOGGER, Call, check_envelope_version
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -147,10 +147,10 @@ class Watchers:
         """``lost``, then what is present at S in pages, the last ``snapshot_done``."""
         events = self.events
         events.resyncs += 1
-        point, chunks, remote = events.snapshot()
+        point, chunks, below = events.snapshot()
         await self._write(context, pb.EventBatch(sequence=point, lost=True))
         pending: pb.EventBatch | None = None
-        for pending_next in _pages(point, chunks, remote, view, page):
+        for pending_next in _pages(point, chunks, below, view, page):
             if pending is not None:
                 await self._write(context, pending)
             pending = pending_next
@@ -243,7 +243,7 @@ def _live(
 def _pages(
     point: int,
     chunks: list[Chunk],
-    remote: list[tuple[RemoteKey, int]],
+    below: list[Below],
     view: Callable[[str], str | None],
     page: int,
 ) -> Iterator[pb.EventBatch]:
@@ -253,7 +253,7 @@ def _pages(
     one call: a key costs a few tenths of a microsecond here."""
     out = pb.EventBatch(sequence=point, snapshot=True)
     room = page
-    sources: tuple[tuple[int, list[Any]], ...] = ((pb.TIER_MEMORY, chunks), (pb.TIER_REDIS, remote))
+    sources: list[tuple[int, list[Any]]] = [(pb.TIER_MEMORY, chunks), *below]
     for tier, items in sources:
         for start in range(0, len(items), page):
             part = items[start : start + page]
