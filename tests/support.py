@@ -113,10 +113,15 @@ class ServerProcess:
         self.log.close()
 
 
-def health_status(address: str, service: str = "", timeout: float = 5) -> int:
+def health_status(
+    address: str, service: str = "", timeout: float = 5, token: str | None = None
+) -> int:
+    """One health Check (with ``token`` where the server requires one)."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return stub.Check(request, timeout=timeout, metadata=metadata).status
 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -179,10 +184,10 @@ def wait_inflight(address: str, n: int, limit: float = 30) -> None:
             time.sleep(0.02)
 
 
-def wait_health(address: str, status: int, limit: float = 30) -> None:
+def wait_health(address: str, status: int, limit: float = 30, token: str | None = None) -> None:
     """Poll the health service until it reports ``status`` (bounded)."""
     end = time.monotonic() + limit
-    while health_status(address) != status:
+    while health_status(address, token=token) != status:
         assert time.monotonic() < end, f"health not {status} after {limit} s"
         time.sleep(0.02)
 

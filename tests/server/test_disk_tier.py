@@ -8,6 +8,7 @@ fails no call; and without --disk-dir nothing touches the disk."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_health
 
 from kvsvc.client import KVCacheClient
+from kvsvc.errors import Miss
 from kvsvc.server.tiers.disk import tier as disk_tier
 from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, TMP_DIR, file_name
 from kvsvc.server.tiers.disk.index import Rebuilt, rebuild
@@ -436,3 +438,54 @@ def test_a_warm_restart_reports_the_disk_contents_in_the_events_snapshot(
                 time.sleep(0.02)
             assert hits == [True] * len(chunks) + [False]
             assert index.prefix_hits(keys) == len(chunks)
+
+
+def _tenant_file(path: Path) -> Path:
+    """Two tenants with half the store each (their share of the disk too)."""
+    spec = {
+        name: {
+            "tokens": [f"{name}-token-0123456789abcdef"],
+            "namespaces": ["*"],
+            "quota": {"store_share": 0.5},
+        }
+        for name in ("filler", "quiet")
+    }
+    path.write_text(json.dumps({"tenants": spec}))
+    path.chmod(0o600)
+    return path
+
+
+def test_tenants_on_disk_a_share_counts_disk_bytes_and_keys_stay_apart(
+    spawn, tmp_path: Path
+) -> None:
+    """A tenant writing the disk five times over evicts its own files, not the quiet
+    tenant's (within its share); after a restart each tenant reads its own bytes of
+    the same namespace and key from disk, and never the other's."""
+    root = tmp_path / "disk"
+    tenants = _tenant_file(tmp_path / "tenants.json")
+    args = ("--store-bytes", "8M", "--disk-dir", str(root), "--disk-capacity", "4M")
+    args += ("--auth-token-file", str(tenants))
+    quiet_chunks = make_chunks(4, b"q")  # 1 MiB: within half of 4 MiB
+    shared_key = b"same-key"
+    srv = spawn(*args)
+    with KVCacheClient(srv.address, token="quiet-token-0123456789abcdef") as quiet:
+        put_one_by_one(quiet, [*quiet_chunks, (shared_key, b"Q" * CHUNK)], root)
+    with KVCacheClient(srv.address, token="filler-token-0123456789abcdef") as filler:
+        assert filler.put(NS, [(shared_key, b"F" * CHUNK)]).stored_chunks == 1
+        for i in range(80):  # 80 x 256 KiB = 20 MiB through a 4 MiB disk
+            assert filler.put(NS, [(b"f-%03d" % i, os.urandom(CHUNK))]).stored_chunks == 1
+            time.sleep(0.01)  # the write-behind keeps up (a full queue skips writes)
+        wait_files(root, 6)
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(30) == 0, srv.output()
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING, token="quiet-token-0123456789abcdef")
+    with KVCacheClient(srv.address, token="quiet-token-0123456789abcdef") as quiet:
+        assert quiet.server_info().used_bytes == 0  # what is served comes from disk
+        check_all_back(quiet, quiet_chunks)
+        assert quiet.get(NS, shared_key) == b"Q" * CHUNK
+    with KVCacheClient(srv.address, token="filler-token-0123456789abcdef") as filler:
+        assert filler.lookup([k for k, _ in quiet_chunks], namespace=NS) == 0
+        with contextlib.suppress(Miss):  # its own bytes (or a miss: evicted), never quiet's
+            assert filler.get(NS, shared_key) == b"F" * CHUNK

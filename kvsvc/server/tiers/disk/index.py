@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvsvc.server.data.store import ChunkKey
@@ -63,9 +62,11 @@ class Index:
         return (namespace, key, layout) in self.entries
 
     def add(self, key: ChunkKey, entry: Entry) -> bool:
-        """List a file (most recently used); False if it was listed already."""
+        """List a file (most recently used); False if it was listed already (a
+        rewrite: the file in place is the new one, so its entry replaces the old)."""
         if key in self.entries:
-            self.entries.move_to_end(key)
+            self.remove(key)
+            self.add(key, entry)
             return False
         self.entries[key] = entry
         pair = (key[0], key[1])
@@ -90,9 +91,6 @@ class Index:
         self.used_bytes -= entry.file_bytes
         self.used_by[entry.owner] -= entry.file_bytes
         return entry
-
-    def oldest(self) -> Iterator[tuple[ChunkKey, Entry]]:
-        return iter(list(self.entries.items()))
 
 
 @dataclass

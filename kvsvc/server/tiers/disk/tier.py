@@ -204,23 +204,42 @@ class DiskTier:
         if bounded and not self.writer.has_room(w.size):
             self.stats.skipped_queue += 1
             return
-        self._make_room(w.file_bytes)  # removals are queued before this write
+        self._make_room(w.file_bytes, w.owner)  # removals are queued before this write
         self.writer.put(w, bounded=False)
         self._writing[w.key] = w
         self.pending_bytes += w.file_bytes
 
-    def _make_room(self, need: int) -> None:
-        """Forget (and queue the removal of) the least recently used files beyond
-        the capacity."""
+    def _make_room(self, need: int, owner: str = "") -> None:
+        """Forget (and queue the removal of) files until ``need`` more bytes fit the
+        capacity: the least recently used first, among owners over their share of
+        the disk when tenants have shares (a tenant's quota counts its disk bytes)."""
         names: list[str] = []
-        for key, entry in self.index.oldest():
-            if self.index.used_bytes + self.pending_bytes + need <= self.capacity:
-                break
-            self.index.remove(key)
+        index = self.index
+        while index.entries and index.used_bytes + self.pending_bytes + need > self.capacity:
+            key = self._victim(owner, need)
+            entry = index.remove(key)
+            assert entry is not None
             names.append(entry.name)
             self.stats.evicted += 1
             self._announce_removed(key, pb.REMOVAL_REASON_EVICTED)
         self.writer.unlink(names)
+
+    def _victim(self, owner: str, need: int) -> ChunkKey:
+        """The least recently used file, preferring owners over their disk share: the
+        store's share of its capacity (kvsvc.server.auth.Quota.store_share), applied
+        to --disk-capacity; the writer counted with what it asks."""
+        entries = self.index.entries
+        oldest = next(iter(entries))
+        shares = self.store.shares
+        if not shares:
+            return oldest
+        scale = self.capacity / max(1, self.store.capacity)
+        held = dict(self.index.used_by)
+        held[owner] = held.get(owner, 0) + need
+        over = {o for o, n in held.items() if o in shares and n > shares[o] * scale}
+        if not over:
+            return oldest
+        return next((k for k, e in entries.items() if e.owner in over), oldest)
 
     def _written(self, w: Write, outcome: str) -> None:
         """On the loop, after the writer thread is done with ``w``."""
