@@ -465,3 +465,53 @@ def test_shutdown_is_not_held_by_a_watcher_that_reads_nothing(config) -> None:
         stuck.close()
         if st.thread.is_alive():
             st.stop()
+
+
+def _removed_from_redis(w: Watch, last: int, want: set[tuple[str, bytes]]) -> int:
+    """Read live batches until every (namespace, key) of ``want`` left the Redis tier."""
+    while want:
+        b = w.batch()
+        assert b.sequence > last
+        last = b.sequence
+        for e in b.events:
+            if e.WhichOneof("kind") == "removed" and e.removed.tier == pb.TIER_REDIS:
+                assert e.removed.reason == pb.REMOVAL_REASON_TIER_DROPPED
+                want -= {(e.removed.namespace, k) for k in e.removed.keys}
+    return last
+
+
+def test_a_restarted_redis_withdraws_what_was_announced_in_it(make_server, watch, tmp_path) -> None:
+    """Redis without persistence restarts empty and redis-py reconnects silently:
+    the keys this server announced in the Redis tier are withdrawn (a new run id),
+    and a snapshot no longer names them; a Lookup that finds one missing (FLUSHALL,
+    same run) withdraws it too."""
+    require_redis()
+    redis = RedisServer(tmp_path / "redis")
+    try:
+        a = make_server(remote=redis.url)
+        w = watch(a.address)
+        last, _ = w.resync()
+        with KVCacheClient(a.address) as c:
+            c.put("ns", [(b"k1", b"one"), (b"k2", b"two")])
+            want = {("ns", k, t) for k in (b"k1", b"k2") for t in (pb.TIER_MEMORY, pb.TIER_REDIS)}
+            last = _tier_events(w, last, want)
+            redis.kill()
+            redis.start(port=redis.port)  # a new run, empty
+            last = _removed_from_redis(w, last, {("ns", b"k1"), ("ns", b"k2")})
+            again = watch(a.address)
+            again.resync()
+            assert {t for _, _, t in again.tiers} == {pb.TIER_MEMORY}
+
+            c.put("ns", [(b"k3", b"three")])
+            last = _tier_events(w, last, {("ns", b"k3", pb.TIER_REDIS)})
+            redis.cli("FLUSHALL")  # same run: only a miss can tell
+            remote = a.server.servicer.remote
+            assert remote is not None
+
+            async def ask() -> list[bool]:
+                return await remote.present("ns", "inline", [b"k3"])
+
+            assert a.run(ask()) == [False]
+            _removed_from_redis(w, last, {("ns", b"k3")})
+    finally:
+        redis.kill()

@@ -35,6 +35,9 @@ REMOTE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 # Failures in a row that open the breaker; then one probe call after this long.
 REMOTE_BREAKER_FAILURES = 3
 REMOTE_BREAKER_OPEN_S = 2.0
+# How often the tier asks Redis which run it is (INFO server's run_id): a restarted
+# Redis is empty, and the keys announced on the events stream are withdrawn.
+REMOTE_RUN_CHECK_S = 0.5
 # Threads that read from Redis (at most this many exchanges wait on it at once;
 # beyond, a read is a miss at once) and that write to it.
 REMOTE_FETCHERS = 4

@@ -113,6 +113,14 @@ class EventLog:
                 return
         self._add(REMOVED, namespace, keys, layout, reason, tier)
 
+    def withdraw(self, tier: int) -> None:
+        """Every key announced in ``tier`` (the remote one) is removed: this server
+        can no longer vouch for any of them (Redis restarted or stopped answering)."""
+        assert tier == pb.TIER_REDIS
+        gone, self.remote = self.remote, OrderedDict()
+        for namespace, key, layout in gone:
+            self._add(REMOVED, namespace, (key,), layout, pb.REMOVAL_REASON_TIER_DROPPED, tier)
+
     def cleared(self, reason: int) -> None:
         self.remote.clear()
         self._add(CLEARED, "", (), "", reason, pb.TIER_UNSPECIFIED)

@@ -16,7 +16,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aredis
@@ -50,6 +50,9 @@ from kvsvc.server.tiers.redis.health import (
     error_kind,
     warn,
 )
+
+if TYPE_CHECKING:
+    from kvsvc.server.events import EventLog
 
 
 def value_connection_settings() -> dict[str, Any]:
@@ -126,6 +129,8 @@ class Connections:
         self.errors: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self._closed = False
+        #: told of what the tier found, wrote or lost (WatchEvents; set by the servicer)
+        self.events: EventLog | None = None
 
     # --- clients ---
     def _redis(self) -> Any:

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvsvc.errors import CapacityExhausted
 from kvsvc.server.config import REMOTE_FETCH_GROUP_BYTES, REMOTE_FETCHERS, ServerConfig
@@ -33,9 +33,6 @@ from kvsvc.server.tiers.redis.values import (
 )
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
-if TYPE_CHECKING:
-    from kvsvc.server.events import EventLog
-
 
 class Fetches(Connections):
     """Retrieve's reads on REMOTE_FETCHERS reader threads."""
@@ -45,8 +42,6 @@ class Fetches(Connections):
     ) -> None:
         super().__init__(config, store, loop)
         self._fetching = 0
-        #: told of what a fetch found or missed (WatchEvents; set by the servicer)
-        self.events: EventLog | None = None
         self._fetchers = concurrent.futures.ThreadPoolExecutor(
             REMOTE_FETCHERS, thread_name_prefix="kvsvc-remote-read"
         )

@@ -19,6 +19,7 @@ from kvsvc.server.tiers.redis.connection import Connections
 from kvsvc.server.tiers.redis.health import CONNECTION, TIMEOUT, Skipped, consume, error_kind, log
 from kvsvc.server.tiers.redis.links import Link, checked
 from kvsvc.server.tiers.redis.values import redis_keys
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _deadline
@@ -43,7 +44,15 @@ class Lookups(Connections):
         pipelined EXISTS round trip, on the loop."""
         rkeys = redis_keys(self.prefix, namespace, layout, keys)
         found = await self._ask(rkeys, self.lookup_budget)
-        return [] if found is None else [bool(f) for f in found]
+        if found is None:
+            return []
+        present = [bool(f) for f in found]
+        if self.events is not None and self.events.remote and not all(present):
+            gone = [k for k, f in zip(keys, present, strict=True) if not f]
+            self.events.removed(
+                namespace, gone, layout, pb.REMOVAL_REASON_TIER_DROPPED, pb.TIER_REDIS
+            )
+        return present
 
     async def _close_lookups(self) -> None:
         """The loop's connections (Lookup's), within --remote-timeout."""

@@ -10,11 +10,11 @@ from kvsvc.server.config import ConfigError
 from kvsvc.server.tiers.redis.connection import reuse_freed_memory
 from kvsvc.server.tiers.redis.fetch import Fetches
 from kvsvc.server.tiers.redis.health import AUTH, Unresolved, caused_by, error_kind, log
-from kvsvc.server.tiers.redis.lookup import Lookups
+from kvsvc.server.tiers.redis.runs import Runs
 from kvsvc.server.tiers.redis.writer import WriteBehind
 
 
-class RemoteTier(Lookups, Fetches, WriteBehind):
+class RemoteTier(Runs, Fetches, WriteBehind):
     """One per server: ``present`` (Lookup), ``fetch`` (Retrieve), ``write_behind``
     (after a Store). Public counters are read by kvsvc.server.metrics (RemoteStats)."""
 
@@ -29,6 +29,8 @@ class RemoteTier(Lookups, Fetches, WriteBehind):
             if not self.resolver.first():
                 raise Unresolved(f"{self.resolver.host} does not resolve (yet)")
             self._redis().ping()
+            if not self.cluster:  # the run its first announcements belong to
+                self.run_id = str(self._redis().info("server").get("run_id") or "") or None
             self.breaker.success()
             log.info("remote tier: Redis at %s answers", self.where)
         except Exception as exc:  # noqa: BLE001 - any failure here is judged below
@@ -51,10 +53,12 @@ class RemoteTier(Lookups, Fetches, WriteBehind):
             )
             self._count_error(exc)
         self._start_writers()
+        self._start_run_checks()
 
     def close(self) -> None:
         """Stop the writers (queued writes are dropped and counted) and the readers."""
         self._closed = True
+        self._stop_run_checks()
         self._stop_writers()
         self._stop_fetchers()
         self._close_client()

@@ -11,7 +11,7 @@ import contextlib
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvsvc.server.config import REMOTE_WRITE_BATCH_BYTES, REMOTE_WRITERS, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkStore
@@ -19,9 +19,6 @@ from kvsvc.server.tiers.redis.connection import Connections
 from kvsvc.server.tiers.redis.health import Skipped
 from kvsvc.server.tiers.redis.values import Staging, encode, header_bytes, redis_key
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvsvc.server.events import EventLog
 
 
 @dataclass
@@ -44,8 +41,6 @@ class WriteBehind(Connections):
         self.queued_bytes = 0
         self._queue: queue.Queue[_Write | None] = queue.Queue()
         self._queued_lock = threading.Lock()
-        #: told of every value written (WatchEvents: the tier as far as this server saw it)
-        self.events: EventLog | None = None
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"kvsvc-remote-write-{i}", daemon=True)
             for i in range(REMOTE_WRITERS)
