@@ -47,6 +47,9 @@ def batched(messages: list[M]) -> list[M]:
 # --- the fd socket (kvsvc.client.fdpass sends, kvsvc.server.data.fdbroker answers) ---
 MAGIC = b"kvsvc-fd/1"
 LEASE_MAGIC = b"kvsvc-fd/L"  # same length: the server reads one more byte to see extras
+#: A lease pass of a plain shared-memory file, one that cannot be sealed (vLLM's
+#: /dev/shm offload file): the server copies it with positional I/O, never mmap.
+FILE_LEASE_MAGIC = b"kvsvc-fd/F"
 TOKEN_REPLY = b"\0"
 ERROR_REPLY = b"\1"
 

@@ -485,9 +485,14 @@ def server_info(c: Core, *, timeout: Timeout = DEFAULT) -> Steps[pb.GetServerInf
     )
 
 
-def register_memfd(c: Core, fd: int, *, timeout: Timeout = DEFAULT) -> Steps[str]:
+def register_memfd(
+    c: Core, fd: int, *, shared_file: bool = False, timeout: Timeout = DEFAULT
+) -> Steps[str]:
     """Pass a sealed memfd (``kvsvc.client.fdpass.make_sealed_memfd``) to the server, for
     the fast CPU region kind; returns the token a ``SealedMemfdHandle`` names.
+    ``shared_file``: ``fd`` is a plain shared-memory file opened read-write that its
+    owner cannot seal (vLLM's offload file); the server copies it with positional
+    I/O instead of mapping it.
 
     The fd goes over this client's lease connection: the server keeps mappings of
     it while this client is open, and releases them when it closes or this
@@ -496,7 +501,8 @@ def register_memfd(c: Core, fd: int, *, timeout: Timeout = DEFAULT) -> Steps[str
     budget = c._timeout(timeout, CONTROL)
     path = c.fd_socket or _fd_socket((yield from server_info(c, timeout=budget)))
     lease = c._fd_lease(path)
-    return (yield from _blocking(functools.partial(lease.send, fd, budget)))
+    send = functools.partial(lease.send, fd, budget, shared_file=shared_file)
+    return (yield from _blocking(send))
 
 
 def put(

@@ -34,7 +34,7 @@ from kvsvc.errors import (
     ServiceUnavailable,
     from_remote_error,
 )
-from kvsvc.framing import ERROR_REPLY, LEASE_MAGIC, MAGIC, TOKEN_REPLY
+from kvsvc.framing import ERROR_REPLY, FILE_LEASE_MAGIC, LEASE_MAGIC, MAGIC, TOKEN_REPLY
 from kvsvc.limits import FD_EXCHANGE_TIMEOUT_S
 from kvsvc.v1 import error_pb2
 
@@ -73,8 +73,14 @@ class FdLease:
         # the next one's, so they are not reused, but their passes stay leased.
         self._retired: list[socket.socket] = []
 
-    def send(self, fd: int, timeout: float = FD_EXCHANGE_TIMEOUT_S) -> str:
-        """Pass ``fd`` under this lease; the token a Map names it by."""
+    def send(
+        self, fd: int, timeout: float = FD_EXCHANGE_TIMEOUT_S, *, shared_file: bool = False
+    ) -> str:
+        """Pass ``fd`` under this lease; the token a Map names it by. ``shared_file``:
+        ``fd`` is a plain shared-memory file opened read-write, not a sealed memfd
+        (one whose owner cannot seal it, like vLLM's offload file); the server then
+        copies it with positional I/O, never mmap."""
+        magic = FILE_LEASE_MAGIC if shared_file else LEASE_MAGIC
         with self._lock:
             fresh = self._sock is None
             if self._sock is None:
@@ -83,7 +89,7 @@ class FdLease:
                 )
             s = self._sock
             try:
-                return _exchange(s, self.path, LEASE_MAGIC, fd, timeout, connect=fresh)
+                return _exchange(s, self.path, magic, fd, timeout, connect=fresh)
             except KVServiceError as exc:
                 if exc.reason in ("FD_SOCKET_TIMEOUT", "FD_SOCKET_UNAVAILABLE", "FD_SOCKET_BUSY"):
                     self._sock = None  # the next pass opens a new connection

@@ -157,6 +157,11 @@ _CATALOGUE: tuple[Reason, ...] = (
         "a passed fd is not a non-empty memfd sealed against shrinking",
     ),
     _reason(
+        "FD_NOT_A_FILE",
+        InvalidRequest,
+        "a passed shared-memory file is not a non-empty regular file open for reading and writing",
+    ),
+    _reason(
         "FD_TOKEN_UNKNOWN",
         InvalidRequest,
         "a memfd token is unknown or expired (or the server restarted): pass the fd again",

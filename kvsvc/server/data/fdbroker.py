@@ -44,7 +44,7 @@ from kvsvc.errors import (
     KVServiceError,
     ServiceUnavailable,
 )
-from kvsvc.framing import LEASE_MAGIC, MAGIC, error_reply, token_reply
+from kvsvc.framing import FILE_LEASE_MAGIC, LEASE_MAGIC, MAGIC, error_reply, token_reply
 from kvsvc.limits import FD_SOCKET_NAME
 from kvsvc.server.config import (
     FD_LEASES_MAX,
@@ -118,6 +118,22 @@ def check_sealed(fd: int) -> int:
         )
     if st.st_size <= 0:
         raise InvalidRequest("the memfd is empty", reason="FD_NOT_SEALED")
+    return int(st.st_size)
+
+
+def check_file(fd: int) -> int:
+    """The size of a passed plain shared-memory file (``FILE_LEASE_MAGIC``), if the
+    server may copy it: a non-empty regular file the client opened read-write. It
+    may shrink, so regions copy it with positional I/O only (a short read is a
+    typed error, never a SIGBUS); the client proved access by passing it."""
+    st = os.fstat(fd)
+    rw = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    if not stat.S_ISREG(st.st_mode) or not rw or st.st_size <= 0:
+        raise InvalidRequest(
+            "a passed shared-memory file must be a non-empty regular file opened read-write",
+            reason="FD_NOT_A_FILE",
+            metadata={"regular": stat.S_ISREG(st.st_mode), "readWrite": rw},
+        )
     return int(st.st_size)
 
 
@@ -343,8 +359,8 @@ class FdBroker:
         self._owners[pid] = owner = _Owner(pid, fd)
         return owner
 
-    def _register(self, fd: int, pid: int, lease: Lease | None) -> str:
-        size = check_sealed(fd)
+    def _register(self, fd: int, pid: int, lease: Lease | None, *, file: bool = False) -> str:
+        size = check_file(fd) if file else check_sealed(fd)
         with self._lock:
             self._expire()
             peer = lease if lease is not None else pid
@@ -503,16 +519,18 @@ class FdBroker:
         token, reply = None, b""
         try:  # every fd received is kept under a token or closed before the reply
             cut = flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC)
-            magic = LEASE_MAGIC if lease is not None else msg
-            if msg != magic or msg not in (MAGIC, LEASE_MAGIC) or len(fds) != 1 or cut:
+            leased = (LEASE_MAGIC, FILE_LEASE_MAGIC)
+            allowed = leased if lease is not None else (MAGIC, *leased)
+            if msg not in allowed or len(fds) != 1 or cut:
                 raise InvalidRequest(
                     f"send exactly one fd with the message {MAGIC!r}, or {LEASE_MAGIC!r} "
-                    f"on a connection kept open as a lease (got {len(fds)} fds"
+                    f"({FILE_LEASE_MAGIC!r}: a plain shared-memory file) on a connection "
+                    f"kept open as a lease (got {len(fds)} fds"
                     f"{', more cut off' if cut else ''} and {len(msg)} bytes)",
                     reason="FD_PASS_MALFORMED",
                     metadata={"fds": len(fds), "bytes": len(msg), "truncated": bool(cut)},
                 )
-            if msg == LEASE_MAGIC and lease is None:
+            if msg in leased and lease is None:
                 if len(self._leases) >= self.max_leases:
                     raise CapacityExhausted(
                         f"the fd socket already holds {len(self._leases)} lease connections "
@@ -522,7 +540,7 @@ class FdBroker:
                         retryable=True,
                     )
                 keep = lease = Lease(pid, uid)
-            token = self._register(fds[0], pid, lease)
+            token = self._register(fds[0], pid, lease, file=msg == FILE_LEASE_MAGIC)
             reply = token_reply(token)
         except KVServiceError as exc:
             log.info("fd from pid %d refused: %s", pid, exc)

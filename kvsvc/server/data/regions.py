@@ -14,6 +14,7 @@ torch slice copy costs several: runs are as small as one block of one layer).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import mmap
 import os
@@ -198,6 +199,60 @@ class ShmRegion:
         os.close(self.fd)
 
 
+class PassedFileRegion(ShmRegion):
+    """A plain shared-memory file a client passed by fd (``FILE_LEASE_MAGIC``: it
+    cannot be sealed, e.g. vLLM's /dev/shm offload file): copied with positional
+    I/O like a file under --shm-dir, and current while its owner's lease is."""
+
+    def __init__(self, fd: int, token: str, need_bytes: int, owner: Owner | None) -> None:
+        self.name = f"memfd {token[:12]}"
+        self.path = ""
+        self.fd = fd
+        self.size = need_bytes
+        self.owner = owner
+
+    def is_current(self) -> bool:
+        return self.owner is None or not self.owner.gone()
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.owner is not None:
+            self.owner.close()
+            self.owner = None
+
+
+def open_passed(fds: FdBroker | None, token: str, need_bytes: int) -> MemfdRegion | ShmRegion:
+    """The region of a passed fd: mapped if it is sealed against shrinking (the
+    kernel says so, whatever the client claimed), else copied with positional I/O."""
+    if fds is None:
+        raise InvalidRequest(
+            "this server runs with --fd-socket off: sealed memfd handles are refused",
+            reason="FD_PASSING_DISABLED",
+        )
+    fd, size, owner = fds.open(token)  # owner: its lease, or a pidfd of it
+    try:
+        if size < need_bytes:
+            raise InvalidRequest(
+                f"memfd {token[:12]!r} has {size} bytes, its tensors declare {need_bytes}",
+                reason="REGION_TOO_SMALL",
+                metadata={"token": token[:12], "sizeBytes": size, "needBytes": need_bytes},
+            )
+        try:
+            sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        except OSError:  # EINVAL: not a shmem file
+            sealed = 0
+        if not sealed:
+            return PassedFileRegion(fd, token, need_bytes, owner)
+        region = MemfdRegion(fd, need_bytes, owner)
+    except BaseException:
+        os.close(fd)
+        if owner is not None:
+            owner.close()
+        raise
+    os.close(fd)  # the mapping keeps the memfd alive
+    return region
+
+
 class MemfdRegion:
     """A client's sealed memfd, mapped: it cannot shrink, so memcpy is safe. Copies
     stay inside the mapping because every tensor was checked to end within
@@ -205,28 +260,10 @@ class MemfdRegion:
 
     device = torch.device("cpu")
 
-    def __init__(self, fds: FdBroker | None, token: str, need_bytes: int) -> None:
-        if fds is None:
-            raise InvalidRequest(
-                "this server runs with --fd-socket off: sealed memfd handles are refused",
-                reason="FD_PASSING_DISABLED",
-            )
-        self.owner: Owner | None
-        fd, size, self.owner = fds.open(token)  # owner: its lease, or a pidfd of it
-        try:
-            if size < need_bytes:
-                raise InvalidRequest(
-                    f"memfd {token[:12]!r} has {size} bytes, its tensors declare {need_bytes}",
-                    reason="REGION_TOO_SMALL",
-                    metadata={"token": token[:12], "sizeBytes": size, "needBytes": need_bytes},
-                )
-            self.mm = mmap.mmap(fd, need_bytes)
-        except BaseException:
-            if self.owner is not None:
-                self.owner.close()
-            raise
-        finally:
-            os.close(fd)  # the mapping keeps the memfd alive
+    def __init__(self, fd: int, need_bytes: int, owner: Owner | None) -> None:
+        """Maps ``fd`` (checked by open_passed, which closes it)."""
+        self.owner = owner
+        self.mm = mmap.mmap(fd, need_bytes)
         self._anchor: ctypes.c_char | None = ctypes.c_char.from_buffer(self.mm)
         self.base = ctypes.addressof(self._anchor)
         self.size = need_bytes
@@ -388,7 +425,7 @@ def _open_region(
     if key.kind is HandleKind.SHM:
         return ShmRegion(shm_dir, key.ident, nbytes, owners)
     if key.kind is HandleKind.MEMFD:
-        return MemfdRegion(fds, key.ident, nbytes)
+        return open_passed(fds, key.ident, nbytes)
     return CudaRegion(handle.cuda_ipc, nbytes)
 
 
@@ -439,7 +476,7 @@ class Mapping:
         """Whether an engine that passed one of its memfds is gone: then nobody can
         use this mapping again, and holding it keeps dead KV memory alive."""
         return any(
-            isinstance(region, MemfdRegion) and not region.is_current()
+            isinstance(region, (MemfdRegion, PassedFileRegion)) and not region.is_current()
             for rank in self.ranks
             for region in rank.regions.values()
         )
@@ -447,7 +484,8 @@ class Mapping:
     @functools.cached_property
     def memfds(self) -> int:
         """Passed memfds this mapping holds (a tenant's fd quota counts them)."""
-        return sum(isinstance(r, MemfdRegion) for rm in self.ranks for r in rm.regions.values())
+        passed = (MemfdRegion, PassedFileRegion)
+        return sum(isinstance(r, passed) for rm in self.ranks for r in rm.regions.values())
 
     @functools.cached_property
     def memfd_only(self) -> bool:
