@@ -8,9 +8,12 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
-from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
@@ -151,7 +154,7 @@ class Server:
             handlers[method.name] = make(
                 getattr(servicer, method.name),
                 request_deserializer=request_parser(GetMessageClass(method.input_type)),
-                response_serializer=GetMessageClass(method.output_type).SerializeToString,
+                response_serializer=_serializer(GetMessageClass(method.output_type), method),
             )
         generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
         server = self.grpc if server is None else server
@@ -232,6 +235,18 @@ class Server:
         if self.servicer.disk is not None:  # queued disk writes finish within the grace
             disk, left = self.servicer.disk, max(1.0, deadline - time.monotonic())
             await asyncio.get_running_loop().run_in_executor(None, disk.close, left)
+
+
+def _serializer(cls: type[Message], method: MethodDescriptor) -> Callable[[Any], bytes]:
+    """The method's response serializer; a server stream's also passes bytes through
+    (WatchEvents serializes a batch once for every watcher that sees the same)."""
+    if not method.server_streaming or method.client_streaming:
+        return cls.SerializeToString
+
+    def serialize(message: Message | bytes) -> bytes:
+        return message if isinstance(message, bytes) else message.SerializeToString()
+
+    return serialize
 
 
 def _bound(listen: str, port: int) -> str:

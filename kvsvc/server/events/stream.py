@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from time import monotonic
 from typing import Any
@@ -38,6 +39,8 @@ VIEW_CACHE = 4096
 #: Once the log ended, how long a stream may still wait on a write (a client that
 #: reads nothing) before it is cancelled: the server's stop never waits on it.
 END_WRITE_S = 1.0
+#: Live batches kept for watchers that reach the same point (a few turns of the loop).
+SHARED_BATCHES = 64
 
 
 class Watchers:
@@ -48,6 +51,9 @@ class Watchers:
         self.page_keys = page_keys
         self._streams: set[asyncio.Task[object]] = set()
         events.on_end.append(self._ended)
+        #: live batches already serialized, by (from, to, view, page): watchers with the
+        #: same view at the same point of the ring share one (4 watchers: 1 build)
+        self._shared: OrderedDict[tuple[Any, ...], tuple[int, bytes] | None] = OrderedDict()
 
     def _ended(self) -> None:
         """The log ended: each stream sends what it has and its error batch; those
@@ -75,10 +81,10 @@ class Watchers:
                 if isinstance(request, Unparsed):  # its bytes did not parse
                     raise request.error
                 check_envelope_version(request.header)
-                view = _view(current_tenant(), request, request_id)
+                view, view_key = _view(current_tenant(), request, request_id)
                 page = request.snapshot_page_keys or self.page_keys
                 page = min(page, self.page_keys * 16)
-                await self._follow(request, context, view, page)
+                await self._follow(request, context, view, (view_key, page))
             except asyncio.CancelledError:
                 raise
             except _ClientGone as exc:
@@ -104,9 +110,11 @@ class Watchers:
         request: pb.WatchEventsRequest,
         context: grpc.aio.ServicerContext,
         view: Callable[[str], str | None],
-        page: int,
+        shape: tuple[Any, int],
     ) -> None:
+        """``shape``: (what the view shows, page): streams of one shape see the same."""
         events = self.events
+        page = shape[1]
         ring = events.ring
         cursor = request.cursor if request.HasField("cursor") else None
         position = -1  # resync first
@@ -135,11 +143,33 @@ class Watchers:
                     {changed}, timeout=PROGRESS_S if told < position else IDLE_WAKE_S
                 )
                 continue
-            out = _live(batch, view, page)
+            out = self._live(position, batch, view, shape)
             position = batch[-1].seq if out is None else out[0]
             if out is not None:
-                await self._write(context, out[1])
+                await self._write_raw(context, out[1])
                 told, told_at = position, monotonic()
+
+    def _live(
+        self,
+        position: int,
+        batch: list[Event],
+        view: Callable[[str], str | None],
+        shape: tuple[Any, int],
+    ) -> tuple[int, bytes] | None:
+        """_live's batch, serialized once for every stream of this shape at this point."""
+        key = (position, batch[-1].seq, shape)
+        shared = self._shared
+        if key in shared:
+            return shared[key]
+        out = _live(batch, view, shape[1])
+        made: tuple[int, bytes] | None = None
+        if out is not None:
+            out[1].incarnation = self.events.incarnation
+            made = (out[0], pb.WatchEventsResponse(batch=out[1]).SerializeToString())
+        shared[key] = made
+        if len(shared) > SHARED_BATCHES:
+            shared.popitem(last=False)
+        return made
 
     async def _resync(
         self, context: grpc.aio.ServicerContext, view: Callable[[str], str | None], page: int
@@ -161,8 +191,14 @@ class Watchers:
 
     async def _write(self, context: grpc.aio.ServicerContext, batch: pb.EventBatch) -> None:
         batch.incarnation = self.events.incarnation
+        await self._write_raw(context, pb.WatchEventsResponse(batch=batch))
+
+    async def _write_raw(
+        self, context: grpc.aio.ServicerContext, response: pb.WatchEventsResponse | bytes
+    ) -> None:
+        """A response, or one already serialized (the method's serializer passes bytes)."""
         try:
-            await context.write(pb.WatchEventsResponse(batch=batch))
+            await context.write(response)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # grpc's ExecuteBatchError: the client hung up mid-write
@@ -175,11 +211,14 @@ class _ClientGone(Exception):
 
 def _view(
     tenant: Tenant, request: pb.WatchEventsRequest, request_id: str
-) -> Callable[[str], str | None]:
+) -> tuple[Callable[[str], str | None], Any]:
     """The name a store namespace has for this watcher, or None when it must not see
-    it (another tenant's, or not among the namespaces asked for)."""
+    it (another tenant's, or not among the namespaces asked for); and a key equal
+    for every view that shows the same names (the tenant's scope and grants, the
+    namespaces asked for)."""
     call = Call(request_id, monotonic() + 1.0, False, tenant)
     wanted = {check_namespace(ns, call) for ns in request.namespaces}
+    key = (tenant.name, tenant.default, tenant.namespaces, frozenset(wanted))
     prefix = tenant.scoped("")
     cache: dict[str, str | None] = {}
 
@@ -200,7 +239,7 @@ def _view(
         cache[namespace] = name
         return name
 
-    return view
+    return view, key
 
 
 def _live(
