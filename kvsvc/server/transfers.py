@@ -1,8 +1,9 @@
 """Store, Retrieve and Fence: the RPCs that move bytes. A handler checks the
 chunks, picks each one's engine side (kvsvc.server.data.copies), reserves or pins
 them in the store and hands the copy to the transfer engine
-(kvsvc.server.data.transfer), which verifies every chunk as it copies; Fence
-proves that copies have ended. Missing keys of a Retrieve come from the Redis
+(kvsvc.server.data.transfer), which checks every chunk in the pass that copies it;
+a Retrieve's loaded prefix ends before the first chunk that failed, whose stored
+copy is dropped. Fence proves that copies have ended. Missing keys of a Retrieve come from the Redis
 tier, streamed into the engine's side as they arrive."""
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from kvsvc.errors import NOT_STARTED, UNKNOWN, DeadlineExceeded, InvalidRequest,
 from kvsvc.server import failpoints
 from kvsvc.server.checks import check_keys, check_namespace, oneof, quota_exceeded
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.data.copies import Blocks, Digest, Inline, Piece, Side, segment_count, tasks
+from kvsvc.server.data.copies import (
+    Blocks,
+    Digest,
+    Inline,
+    Piece,
+    Side,
+    failed_chunks,
+    segment_count,
+    tasks,
+)
 from kvsvc.server.data.store import INLINE_LAYOUT, Chunk, ChunkStore
 from kvsvc.server.data.transfer import Stream, TransferEngine, reply_budget
 from kvsvc.server.mappings import Mapper
@@ -214,21 +224,52 @@ class Transfers:
             for piece in sides[ci][1].pieces(self.store.buffer(chunk), ci, to_store=False)
         ]
         nbytes = sum(c.size for c in chunks)
+        failed: dict[int, Digest] = {}
+
+        def finalize(results: list[list[Digest]] | None, error: BaseException | None) -> None:
+            if results is not None:
+                failed.update(self._drop_failed(call, chunks, results))
+            self.store.release(chunks)
+
         await self._transfer(
             call,
             "retrieve",
             mapping_id,
             nbytes,
             pieces,
-            lambda results, error: self.store.release(chunks),
+            finalize,
             all(side.loop_safe for _, side in sides[: len(chunks)]),
         )
-        result.loaded_chunks = len(chunks)
-        result.loaded_bytes = nbytes
-        for (key, side), _ in zip(sides, chunks, strict=False):
+        loaded = min(failed, default=len(chunks))
+        result.loaded_chunks = loaded
+        result.loaded_bytes = sum(c.size for c in chunks[:loaded])
+        for key, side in sides[:loaded]:
             if isinstance(side, Inline):
                 result.chunks.add(key=key, data=bytes(side.out))
         return response
+
+    def _drop_failed(
+        self, call: Call, chunks: list[Chunk], results: list[list[Digest]], base: int = 0
+    ) -> dict[int, Digest]:
+        """On the loop, once a Retrieve's copy (or part, whose first chunk is chunk
+        ``base``) has ended: the chunks that failed their check, dropped from the
+        store (counted, announced as removed); the reply's prefix ends before the
+        first. Their blocks hold undefined bytes that are never reported loaded."""
+        failed = failed_chunks(results)
+        for ci, (_, si, got) in sorted(failed.items()):
+            chunk = chunks[ci - base]
+            self.store.discard(chunk, "check_failed")
+            log.warning(
+                "retrieve %s: chunk %d (key %s) failed its checksum at segment %d "
+                "(stored %08x, read %08x): dropped, not loaded",
+                call.request_id,
+                ci,
+                chunk.key[1].hex()[:32],
+                si,
+                chunk.digests[si],
+                got,
+            )
+        return failed
 
     async def _load_from_disk(
         self, call: Call, namespace: str, layout: str, keys: list[bytes], chunks: list[Chunk]
@@ -269,6 +310,7 @@ class Transfers:
         keys = [k for k, _ in sides]
         stream: Stream | None = None
         loaded: list[Chunk] = []  # handed to the stream, in key order
+        failed: dict[int, Digest] = {}  # chunks that failed their check: no part after
         failure: BaseException | None = None  # raised once no part runs
         over = False  # no more parts: refused, failed, or the call ended
         t0 = time.perf_counter()
@@ -276,7 +318,7 @@ class Transfers:
         def extend() -> None:
             """On the loop: copy the chunks committed since the last part."""
             nonlocal stream, failure, over
-            if over:
+            if over or failed:
                 return
             part = self.store.acquire_prefix(namespace, keys[len(loaded) :], layout)
             if not part:
@@ -295,7 +337,7 @@ class Transfers:
                 return
             nbytes = sum(c.size for c in part)
             todo = tasks(pieces, nbytes, self.config.data.transfer_threads)
-            done = functools.partial(_release, self.store, part)
+            done = functools.partial(part_done, part, len(loaded))
             if stream is None:
                 call.started = True
                 try:
@@ -310,6 +352,17 @@ class Transfers:
                 over = True
                 return
             loaded.extend(part)
+
+        def part_done(
+            part: list[Chunk],
+            base: int,
+            results: list[list[Digest]] | None,
+            error: BaseException | None,
+        ) -> None:
+            """A part's finalize: its failed chunks dropped; no longer read."""
+            if results is not None:
+                failed.update(self._drop_failed(call, part, results, base))
+            self.store.release(part)
 
         try:
             self.store.release(chunks)  # extend pins them again, checked
@@ -342,8 +395,9 @@ class Transfers:
         if loaded:
             nbytes = sum(c.size for c in loaded)
             self.metrics.observe_transfer("retrieve", nbytes, time.perf_counter() - t0)
+            loaded = loaded[: min(failed, default=len(loaded))]
             result.loaded_chunks = len(loaded)
-            result.loaded_bytes = nbytes
+            result.loaded_bytes = sum(c.size for c in loaded)
         for key, side in sides[: len(loaded)]:
             if isinstance(side, Inline):
                 result.chunks.add(key=key, data=bytes(side.out))
@@ -369,8 +423,3 @@ class Transfers:
         return pb.FenceResult(
             waited_transfers=waited, barred_transfers=barred, server_start_id=self.start_id
         )
-
-
-def _release(store: ChunkStore, chunks: list[Chunk], *_: object) -> None:
-    """A part's finalize: its chunks are no longer read."""
-    store.release(chunks)

@@ -35,7 +35,6 @@ from kvsvc.errors import (
     UNKNOWN,
     Cancelled,
     CapacityExhausted,
-    DataLoss,
     DeadlineExceeded,
     FatalServerError,
     InvalidDeadline,
@@ -440,29 +439,20 @@ def test_remote_handler_error(spawn) -> None:
     assert ei.value.request_id in srv.output()  # the traceback is found by the id
 
 
-def test_data_loss_on_a_corrupted_chunk_stops_serving(server, client: KVCacheClient) -> None:
+def test_a_corrupted_chunk_is_a_miss_and_dropped_not_fatal(server, client: KVCacheClient) -> None:
     data = os.urandom(10_000)
-    client.put("ns", [(b"k", data)])
+    client.put("ns", [(b"j", b"fine"), (b"k", data)])
     store = server.server.servicer.store
     chunk = store.get("ns", b"k", INLINE_LAYOUT)
     assert chunk is not None
     store.view[chunk.offset + 1234] ^= 0xFF
-    with pytest.raises(DataLoss) as ei:
-        client.get("ns", b"k")
-    check_fields(
-        ei.value,
-        DataLoss,
-        code=grpc.StatusCode.DATA_LOSS,
-        reason="CHECKSUM_MISMATCH",
-        metadata={"key": b"k".hex(), "namespace": "ns"},
-        transfer_state=FINISHED,
-    )
-    assert isinstance(ei.value, RemoteHandlerError)
-    assert health_status(server.address) == NOT_SERVING
-    info = client.server_info()
-    assert not info.serving and info.failure_reason == "CHECKSUM_MISMATCH"
-    with pytest.raises(ServiceNotServing):
-        client.put("ns", [(b"k2", b"v")])
+    assert client.get_many("ns", [b"j", b"k"]) == [b"fine"]  # the prefix ends before it
+    with pytest.raises(NotFound):
+        client.get("ns", b"k")  # dropped: a miss from now on
+    assert store.checksum_failures == 1
+    assert health_status(server.address) == SERVING and client.server_info().serving
+    client.put("ns", [(b"k", data)])
+    assert client.get("ns", b"k") == data
 
 
 def test_unknown_reason_and_code_from_a_newer_server() -> None:

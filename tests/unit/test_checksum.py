@@ -89,19 +89,31 @@ def test_a_native_copy_and_the_python_loop_agree(native: copies.NativeCopy) -> N
         assert np.array_equal(got, want)
 
 
-def test_a_retrieve_checks_each_segment_before_it_copies_it(native: copies.NativeCopy) -> None:
-    size = 3 * copies.SEGMENT_BYTES
-    chunk = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
-    digests = [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in copies.segments(size)]
-    chunk[copies.SEGMENT_BYTES + 77] ^= 0xFF  # segment 1 goes bad in the store
-    engine = np.zeros(size, dtype=np.uint8)
-    runs = np.array([(engine.ctypes.data, 0, size)], dtype=np.uint64)
-    failed, got = native.copy(
-        runs, chunk.ctypes.data, 0, size, (ctypes.c_uint32 * 3)(*digests), to_store=False
-    )
-    assert failed == 1 and got == copies.checksum(chunk[copies.SEGMENT_BYTES : 2 << 20].tobytes())
-    assert np.array_equal(engine[: copies.SEGMENT_BYTES], chunk[: copies.SEGMENT_BYTES])
-    assert not engine[copies.SEGMENT_BYTES :].any()  # the bad segment never reached the engine
+@pytest.mark.parametrize("stream", [True, False], ids=["non-temporal", "cached"])
+def test_a_retrieve_checks_each_segment_in_the_pass_that_copies_it(
+    native: copies.NativeCopy, stream: bool
+) -> None:
+    """The CRC of what was written is compared once the segment is in the engine's
+    memory; the first mismatch stops the copy (the segments after it are not
+    written) and names the segment and the CRC of the bytes that were written."""
+    was = native.streaming
+    native.stream(stream)
+    try:
+        size = 6 * copies.SEGMENT_BYTES  # from 4 MiB a span streams where it can
+        chunk = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
+        segs = copies.segments(size)
+        digests = [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in segs]
+        chunk[copies.SEGMENT_BYTES + 77] ^= 0xFF  # segment 1 goes bad in the store
+        engine = np.zeros(size + 64, dtype=np.uint8)[3:]  # unaligned: head and tail copies
+        runs = np.array([(engine.ctypes.data, 0, size)], dtype=np.uint64)
+        expected = (ctypes.c_uint32 * len(segs))(*digests)
+        failed, got = native.copy(runs, chunk.ctypes.data, 0, size, expected, to_store=False)
+        bad = chunk[copies.SEGMENT_BYTES : 2 * copies.SEGMENT_BYTES]
+        assert failed == 1 and got == copies.checksum(bad.tobytes()) != digests[1]
+        assert np.array_equal(engine[: 2 * copies.SEGMENT_BYTES], chunk[: 2 * copies.SEGMENT_BYTES])
+        assert not engine[2 * copies.SEGMENT_BYTES : size].any()  # nothing after it is written
+    finally:
+        native.stream(was)
 
 
 def test_a_native_copy_lets_other_threads_run(native: copies.NativeCopy) -> None:
@@ -249,7 +261,9 @@ def test_a_failed_check_in_a_shared_retrieve_stops_every_task(native: copies.Nat
     failed, got = native.claim(runs, chunk.ctypes.data, size, claims, 1, to_store=False)
     assert failed == 4 and got == copies.checksum(chunk[4 << 20 : 5 << 20].tobytes())
     assert claims.mine(1) == [3, 4]  # stopped at the bad one
-    assert not engine[4 * copies.SEGMENT_BYTES :].any()  # it never reached the engine
+    # written (its blocks hold bytes that failed), then nothing after it
+    assert np.array_equal(engine[3 << 20 : 5 << 20], chunk[3 << 20 : 5 << 20])
+    assert not engine[5 * copies.SEGMENT_BYTES :].any()
     assert all(claims.ranges[k] & 0xFFFFFFFF == claims.ranges[k] >> 32 for k in range(2))
     assert native.claim(runs, chunk.ctypes.data, size, claims, 0, to_store=False) == (-1, 0)
     assert claims.mine(0) == []  # nothing left to claim for anyone

@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 import torch
 
-from kvsvc.errors import DataLoss, LayoutMismatch
+from kvsvc.errors import LayoutMismatch
 from kvsvc.server import failpoints
 from kvsvc.server.data.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
 
@@ -44,8 +44,20 @@ CHECKSUM_ALGORITHM = "crc32c"
 #: Copy plans kept per mapping (by block ids); an engine reuses its block ids.
 PLAN_CACHE_SIZE = 4096
 
-Digest = tuple[int, int, int]  # (chunk index, segment index, CRC-32C)
+#: (chunk index, segment index, CRC-32C): a Store piece returns its segments'; a
+#: Retrieve piece those that failed their check (none: all loaded).
+Digest = tuple[int, int, int]
 Piece = Callable[[], list[Digest]]
+
+
+def failed_chunks(results: list[list[Digest]]) -> dict[int, Digest]:
+    """A Retrieve's chunks that failed their check (chunk index -> its first failed
+    segment seen), from its tasks' results."""
+    out: dict[int, Digest] = {}
+    for group in results:
+        for d in group:
+            out.setdefault(d[0], d)
+    return out
 
 
 def segments(size: int) -> list[tuple[int, int]]:
@@ -120,9 +132,10 @@ class NativeCopy:
     ) -> tuple[int, int]:
         """Copy chunk bytes [lo, hi) (``lo`` on a segment boundary) between the
         engine (``runs``: rows of engine address, chunk offset, length) and the
-        chunk at ``addr``. A Store writes each segment's checksum into ``digests``;
-        a Retrieve checks each against ``digests`` before copying it out and stops
-        at the first mismatch. Returns (-1, 0), or (failed segment from lo, its CRC)."""
+        chunk at ``addr``, with each segment's CRC taken in the same pass. A Store
+        writes them into ``digests``; a Retrieve compares each with ``digests``
+        once written into the blocks and stops at the first mismatch. Returns
+        (-1, 0), or (failed segment from lo, its CRC)."""
         got = ctypes.c_uint32()
         failed = self._copy(
             runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
@@ -174,7 +187,6 @@ class ChunkBuffer:
     namespace: str
     key: bytes
     expected: list[int]  # stored checksums, one per segment (empty while storing)
-    on_mismatch: Callable[[], None]
 
     @property
     def size(self) -> int:
@@ -186,15 +198,11 @@ class ChunkBuffer:
         microseconds: only CUDA copies make it)."""
         return self.store_tensor[self.offset : self.offset + self.size]
 
-    def verify(self, segment: int, digest: int) -> None:
-        """Raise DataLoss (fatal) if the bytes read do not match the stored checksum."""
-        if digest != self.expected[segment]:
-            self.on_mismatch()
-            raise DataLoss(
-                f"checksum mismatch on chunk {self.key.hex()[:32]} segment {segment} "
-                f"(stored {self.expected[segment]:016x}, read {digest:016x})",
-                metadata={"key": self.key.hex(), "namespace": self.namespace, "segment": segment},
-            )
+    def check(self, ci: int, segment: int, digest: int) -> list[Digest]:
+        """A Retrieve's check of one segment copied out: [] if ``digest`` is the stored
+        checksum, else the failure (the handler drops the chunk, never reports it
+        loaded)."""
+        return [] if digest == self.expected[segment] else [(ci, segment, digest)]
 
 
 # --- copy plans and copies between an engine's blocks and a chunk ---
@@ -257,8 +265,7 @@ def copy_range(
     """Copy chunk bytes [lo, hi) between the blocks and ``buf`` (the chunk in the
     store, at address ``addr``); returns the CRC-32C of those chunk bytes, taken
     right after the copy while they are still in cache. (On a Retrieve the blocks
-    are written before the check: a mismatch fails the call with DATA_LOSS, so
-    the engine never uses them.)"""
+    are written before the check: a chunk that fails it is never reported loaded.)"""
     ops = plan.ops
     i = max(0, bisect.bisect_right(plan.starts, lo) - 1)
     files: set[ShmRegion] = set()
@@ -341,30 +348,26 @@ class Blocks:
             )
 
     def pieces(self, chunk: ChunkBuffer, ci: int, *, to_store: bool) -> list[Piece]:
-        """One piece per checksum segment (one per chunk on CUDA). A Retrieve verifies
-        each segment against the stored checksums; a Store returns them. The copy
+        """One piece per checksum segment (one per chunk on CUDA). A Retrieve checks
+        each segment against the stored checksums (returns the failures); a Store
+        returns them. The copy
         plan is made (or found in the mapping's cache) by the first piece that runs,
         on a copy thread, so the event loop only validates and reserves."""
         mapping = self.mapping
         if mapping.is_cuda:
             segs = segments(chunk.size)
 
-            def check(si: int, digest: int) -> list[Digest]:
-                if not to_store:
-                    chunk.verify(si, digest)
-                    return []
-                return [(ci, si, digest)]
-
             def cuda_piece() -> list[Digest]:
-                out: list[Digest] = []
-                if not to_store:  # verify before the bytes reach the engine's blocks
+                if not to_store:  # checked in pinned memory: a bad chunk is not copied
                     for si, (lo, hi) in enumerate(segs):
-                        out += check(si, checksum(chunk.view[lo:hi]))
+                        if bad := chunk.check(ci, si, checksum(chunk.view[lo:hi])):
+                            return bad
                 copy_cuda(mapping, self.block_ids, chunk.tensor, to_store=to_store)
                 if to_store:
-                    for si, (lo, hi) in enumerate(segs):
-                        out += check(si, checksum(chunk.view[lo:hi]))
-                return out
+                    return [
+                        (ci, si, checksum(chunk.view[lo:hi])) for si, (lo, hi) in enumerate(segs)
+                    ]
+                return []
 
             return [cuda_piece]
         job = _BlockCopy(mapping, self.block_ids, chunk, ci, to_store)
@@ -390,17 +393,17 @@ class _BlockCopy:
         if native is not None and p.runs is not None:
             digests = (ctypes.c_uint32 * (b - a))(*([] if to_store else chunk.expected[a:b]))
             failed, got = native.copy(p.runs, chunk.addr, lo, hi, digests, to_store=to_store)
-            if failed >= 0:
-                chunk.verify(a + failed, got)  # raises DataLoss
-            return [(ci, a + k, d) for k, d in enumerate(digests)] if to_store else []
+            if to_store:
+                return [(ci, a + k, d) for k, d in enumerate(digests)]
+            return [(ci, a + failed, got)] if failed >= 0 else []
         out: list[Digest] = []
         for si in range(a, b):
             s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
             digest = copy_range(p, chunk.view, chunk.addr, s_lo, s_hi, to_store=to_store)
             if to_store:
                 out.append((ci, si, digest))
-            else:
-                chunk.verify(si, digest)
+            elif bad := chunk.check(ci, si, digest):
+                return bad  # the rest of this chunk is not copied
         return out
 
     def run_claimed(self, claims: Claims, me: int) -> list[Digest]:
@@ -413,9 +416,9 @@ class _BlockCopy:
             failed, got = native.claim(
                 p.runs, chunk.addr, chunk.size, claims, me, to_store=to_store
             )
-            if failed >= 0:
-                chunk.verify(failed, got)  # raises DataLoss
-            return [(ci, s, claims.digests[s]) for s in claims.mine(me)] if to_store else []
+            if to_store:
+                return [(ci, s, claims.digests[s]) for s in claims.mine(me)]
+            return [(ci, failed, got)] if failed >= 0 else []
         out: list[Digest] = []
         while (si := claims.next(me)) is not None:
             s_lo, s_hi = si * SEGMENT_BYTES, min((si + 1) * SEGMENT_BYTES, chunk.size)
@@ -424,7 +427,7 @@ class _BlockCopy:
                 out.append((ci, si, digest))
             elif digest != claims.digests[si]:
                 claims.stop()
-                chunk.verify(si, digest)  # raises DataLoss
+                return [(ci, si, digest)]
         return out
 
 
@@ -521,8 +524,7 @@ class Inline:
 
             def load() -> list[Digest]:
                 out[lo:hi] = dst[lo:hi]
-                chunk.verify(si, checksum(out[lo:hi]))
-                return []
+                return chunk.check(ci, si, checksum(out[lo:hi]))
 
             return store if to_store else load
 

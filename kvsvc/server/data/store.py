@@ -1,6 +1,7 @@
 """The chunk store: one buffer allocated once (pinned when CUDA is present),
 carved into chunks by a first-fit allocator, LRU eviction of chunks nobody is
-reading, and a checksum per chunk verified on every read.
+reading, and a checksum per chunk verified on every read (a chunk that fails it is
+discarded: ``discard(chunk, "check_failed")``).
 
 Only the event loop touches the metadata; copies into and out of a chunk's
 bytes run on transfer threads while the chunk is reserved or read-pinned, so
@@ -210,11 +211,7 @@ class ChunkStore:
             namespace=chunk.key[0],
             key=chunk.key[1],
             expected=chunk.digests,
-            on_mismatch=self._count_mismatch,
         )
-
-    def _count_mismatch(self) -> None:
-        self.checksum_failures += 1  # a lost increment (copy threads) is harmless
 
     # --- writes ---
     def reserve(

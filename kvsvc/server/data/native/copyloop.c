@@ -251,7 +251,7 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
 /* Non-temporal copies. A Store's chunk and a Retrieve's blocks are not read
  * again soon, so their bytes go to memory without the read of every line they
  * overwrite that a cached store costs first (a third of a copy's memory
- * traffic), and a Store CRCs the very registers it writes, in one pass. */
+ * traffic), and the CRC is of the very registers written, in one pass. */
 #define NT_MIN 4096 /* shorter copies: cached stores */
 #define NT_LOAD_MIN (4u << 20) /* a Retrieve's span streams from this size */
 
@@ -261,12 +261,6 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_
     return fold_run(crc, d, p, len, 1);
 }
 
-/* d 64-byte aligned, len a multiple of 64. */
-__attribute__((target("avx512f"))) static void stream_copy(unsigned char *d, const unsigned char *p,
-                                                          size_t len) {
-    for (; len; p += 64, d += 64, len -= 64)
-        _mm512_stream_si512((void *)d, _mm512_loadu_si512((const void *)p));
-}
 #endif
 
 static int hw, fold, nt;
@@ -330,8 +324,9 @@ int kvsvc_copy_nt(int on) {
     return nt;
 }
 
-/* Copy n bytes into a chunk and carry `crc` over them (a Store). */
-static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, uint32_t crc,
+/* Copy n bytes from p to d and carry `crc` over them: into a chunk (a Store), or
+ * out of one into the engine's blocks (a Retrieve, checked after the write). */
+static uint32_t copy_piece(unsigned char *d, const unsigned char *p, size_t n, uint32_t crc,
                             int stream) {
     (void)stream;
 #ifdef HAVE_FOLD
@@ -349,22 +344,6 @@ static uint32_t store_piece(unsigned char *d, const unsigned char *p, size_t n, 
     return kvsvc_crc32c(crc, d, n);
 }
 
-/* Copy n checked bytes out of a chunk (a Retrieve). */
-static void load_piece(unsigned char *d, const unsigned char *p, size_t n, int stream) {
-    (void)stream;
-#ifdef HAVE_FOLD
-    if (stream && n >= NT_MIN) {
-        size_t head = (64 - ((uintptr_t)d & 63)) & 63;
-        memcpy(d, p, head);
-        size_t mid = (n - head) & ~(size_t)63;
-        stream_copy(d + head, p + head, mid);
-        memcpy(d + head + mid, p + head + mid, n - head - mid);
-        return;
-    }
-#endif
-    memcpy(d, p, n);
-}
-
 /* One run of a copy plan: `n` bytes at `addr` in the engine's memory are chunk
  * bytes [pos, pos + n). */
 typedef struct {
@@ -378,12 +357,14 @@ typedef struct {
 
 /* Copy chunk bytes [lo, hi) between the runs (sorted by pos, contiguous from 0)
  * and the chunk at `chunk`, segment by segment of `seg` bytes (lo a multiple of
- * seg). A store CRCs each piece right after it copies it into the chunk; a
- * retrieve CRCs the chunk's segment first and copies it out only if it matches
- * `digests` (so the engine's blocks never receive bytes that failed their check).
- * Store: digests[i] receives segment lo/seg + i's CRC. Returns -1 when done,
- * else the index (from lo/seg) of the first segment that failed, whose CRC is
- * left in *got. */
+ * seg), and CRC each piece right behind its copy, in one pass, while it is in L1
+ * (the segment's CRC runs on from piece to piece, in chunk order); with
+ * non-temporal stores, of the registers written. Store: digests[i] receives
+ * segment lo/seg + i's CRC. Retrieve: each segment is compared with digests[i]
+ * once it is written into the blocks; the first that differs stops the span
+ * (the blocks it was written into hold bytes that failed: the caller never
+ * reports them loaded). Returns -1 when done, else the index (from lo/seg) of
+ * the segment that failed, whose CRC is left in *got. */
 static long copy_span(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
                       uint64_t hi, uint64_t seg, int to_store, uint32_t *digests, uint32_t *got,
                       int stream) {
@@ -392,36 +373,25 @@ static long copy_span(const kvsvc_run *runs, size_t nruns, unsigned char *chunk,
     for (uint64_t s = lo, k = 0; s < hi; s += seg, k++) {
         uint64_t e = s + seg < hi ? s + seg : hi;
         uint32_t crc = 0;
-        if (!to_store) {
-            uint32_t c = kvsvc_crc32c(0, chunk + s, e - s);
-            if (c != digests[k]) {
-                *got = c;
-#ifdef HAVE_FOLD
-                if (stream) _mm_sfence();
-#endif
-                return (long)k;
-            }
-        }
         while (i < nruns && runs[i].pos < e) {
             const kvsvc_run *r = &runs[i];
             uint64_t a = r->pos > s ? r->pos : s;
             uint64_t b = r->pos + r->n < e ? r->pos + r->n : e;
             unsigned char *eng = (unsigned char *)(uintptr_t)(r->addr + (a - r->pos));
-            if (to_store) {
-                /* CRC each piece right behind its copy, while it is in L1 (the
-                 * segment's CRC runs on from piece to piece, in chunk order);
-                 * with non-temporal stores, of the registers it writes. */
-                for (uint64_t q = a; q < b; q += CHASE) {
-                    uint64_t m = b - q < CHASE ? b - q : CHASE;
-                    crc = store_piece(chunk + q, eng + (q - a), m, crc, stream);
-                }
-            } else {
-                load_piece(eng, chunk + a, b - a, stream);
+            for (uint64_t q = a; q < b; q += CHASE) {
+                uint64_t m = b - q < CHASE ? b - q : CHASE;
+                crc = to_store ? copy_piece(chunk + q, eng + (q - a), m, crc, stream)
+                               : copy_piece(eng + (q - a), chunk + q, m, crc, stream);
             }
             if (r->pos + r->n > e) break; /* the run goes on in the next segment */
             i++;
         }
-        if (to_store) digests[k] = crc;
+        if (to_store) {
+            digests[k] = crc;
+        } else if (crc != digests[k]) {
+            *got = crc;
+            return (long)k;
+        }
     }
     return -1;
 }
