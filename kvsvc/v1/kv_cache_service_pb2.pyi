@@ -832,8 +832,10 @@ class RetrieveResult(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     SERVER_START_ID_FIELD_NUMBER: _builtins.int
     loaded_chunks: _builtins.int
-    """Leading chunks loaded; loading stops at the first miss, and blocks of the
-    chunks after it are never touched.
+    """Leading chunks loaded; loading stops at the first miss (blocks of the
+    chunks after it are never touched) or before the first chunk that failed
+    its checksum as it was copied (the stored copy is dropped; blocks of that
+    chunk and of the chunks after it hold undefined bytes: recompute them).
     """
     loaded_bytes: _builtins.int
     transfer_id: _builtins.str

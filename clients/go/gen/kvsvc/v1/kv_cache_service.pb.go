@@ -1942,8 +1942,10 @@ type RetrieveResult struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Leading chunks loaded; loading stops at the first miss, and blocks of the
-	// chunks after it are never touched.
+	// Leading chunks loaded; loading stops at the first miss (blocks of the
+	// chunks after it are never touched) or before the first chunk that failed
+	// its checksum as it was copied (the stored copy is dropped; blocks of that
+	// chunk and of the chunks after it hold undefined bytes: recompute them).
 	LoadedChunks uint32 `protobuf:"varint,1,opt,name=loaded_chunks,json=loadedChunks,proto3" json:"loaded_chunks,omitempty"`
 	// The loaded chunks, for inline retrieves only.
 	Chunks        []*InlineChunk `protobuf:"bytes,2,rep,name=chunks,proto3" json:"chunks,omitempty"`
