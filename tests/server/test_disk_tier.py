@@ -411,6 +411,38 @@ def test_a_kill_9_mid_writes_leaves_no_torn_chunk(spawn, tmp_path: Path) -> None
     print(f"kill -9 mid writes: {served}/60 chunks back")
 
 
+def test_a_key_stored_anew_with_other_bytes_is_never_served_its_old_bytes(
+    spawn, tmp_path: Path
+) -> None:
+    """Keys are the client's: a Store of other bytes under a key memory evicted
+    replaces the disk's copy (the old file goes before the reply). The new bytes
+    come back from disk, before and after a restart; so do a same-bytes re-Store's,
+    without rewriting the file."""
+    root = tmp_path / "disk"
+    args = ("--store-bytes", "8M", "--disk-dir", str(root))
+    key = b"versioned"
+    old, new = os.urandom(CHUNK), os.urandom(CHUNK)
+    srv = spawn(*args)
+    with KVCacheClient(srv.address) as c:
+        put_one_by_one(c, [(key, old)], root)
+        put_one_by_one(c, make_chunks(40, b"p"), root)  # evicts it from memory
+        assert c.put(NS, [(key, new)]).stored_chunks == 1
+        put_one_by_one(c, make_chunks(40, b"q"), root)  # and the new bytes too
+        assert c.get(NS, key) == new
+        path = root / file_name(NS, INLINE, key)
+        inode = path.stat().st_ino
+        put_one_by_one(c, make_chunks(40, b"r"), root)
+        assert c.put(NS, [(key, new)]).stored_chunks == 1  # the same bytes again
+        put_one_by_one(c, make_chunks(2, b"s"), root)  # the queue is past it
+        assert path.stat().st_ino == inode  # not rewritten (a rename is a new inode)
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(30) == 0, srv.output()
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    with KVCacheClient(srv.address) as c:
+        assert c.get(NS, key) == new
+
+
 def test_a_warm_restart_reports_the_disk_contents_in_the_events_snapshot(
     spawn, tmp_path: Path
 ) -> None:

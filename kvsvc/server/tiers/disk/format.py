@@ -88,6 +88,12 @@ def file_name(namespace: str, layout: str, key: bytes) -> str:
     return f"{hexed[:2]}/{hexed}{SUFFIX}"
 
 
+def fingerprint(size: int, digests: tuple[int, ...] | list[int]) -> int:
+    """Which bytes a chunk holds, from its length and segment CRCs: equal for a
+    re-Store of the same bytes, so only other bytes replace a file."""
+    return hash((size, *digests))
+
+
 def encode_header(
     namespace: str, layout: str, key: bytes, owner: str, size: int, digests: list[int]
 ) -> bytes:

@@ -22,6 +22,7 @@ from kvsvc.server.tiers.disk.format import (
     TRUNCATED,
     Refused,
     file_name,
+    fingerprint,
     open_file,
     parse_header,
 )
@@ -40,6 +41,8 @@ class Entry:
     size: int  # the chunk's bytes
     file_bytes: int  # the file's (what counts against --disk-capacity)
     owner: str = ""
+    #: which bytes (format.fingerprint of the CRCs): a Store of other bytes replaces it
+    version: int = 0
 
 
 @dataclass
@@ -169,7 +172,8 @@ def _read_entry(root: str, rel: str) -> tuple[int, ChunkKey, Entry]:
     if file_name(head.namespace, head.layout, head.key) != rel:
         raise Refused("bad_name", "the file's name is not its header's chunk")
     key: ChunkKey = (head.namespace, head.key, head.layout)
-    return st.st_mtime_ns, key, Entry(rel, head.size, head.file_bytes, head.owner)
+    entry = Entry(rel, head.size, head.file_bytes, head.owner, fingerprint(head.size, head.digests))
+    return st.st_mtime_ns, key, entry
 
 
 def _refuse(root: str, rel: str, kind: str, detail: str, counts: dict[str, int]) -> None:

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
-from kvsvc.server.tiers.disk.format import encode_header, file_name
+from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
 from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
 from kvsvc.server.tiers.disk.writer import Write, Writer
@@ -57,6 +57,8 @@ class DiskStats:
     skipped_full: int = 0  # ENOSPC / EDQUOT: the write was skipped
     skipped_queue: int = 0  # the write-behind queue was full
     skipped_capacity: int = 0  # larger than --disk-capacity
+    replaced: int = 0  # files (or writes) dropped because a Store brought other bytes
+    durable_late: int = 0  # --disk-sync Stores that replied before their chunks were durable
     write_errors: int = 0
     evicted: int = 0  # files removed for room
     hits: int = 0  # chunks loaded back into memory
@@ -87,8 +89,8 @@ class DiskTier:
         #: the events stream, when the server has one (announces TIER_DISK changes)
         self.events: EventSink | None = None
         self.pending_bytes = 0  # files being written (counted against the capacity)
-        self._writing: dict[ChunkKey, Write] = {}
-        self._waiters: dict[ChunkKey, asyncio.Future[bool]] = {}
+        self._writing: dict[ChunkKey, Write] = {}  # the latest write of each key
+        self._unlinking: dict[str, int] = {}  # files the writer is yet to remove
         self._full_logged = 0.0
         self.writer = Writer(
             self.root,
@@ -97,6 +99,7 @@ class DiskTier:
             self.sync,
             min(t.disk_queue_bytes, store.capacity // 4),
             self._written,
+            self._unlinked,
         )
         self.reader = Reader(self.root, store, loop)
 
@@ -166,8 +169,41 @@ class DiskTier:
 
     # --- the store's listener ---
     def stored(self, chunk: Chunk) -> None:
+        self._replace(chunk)
         if self.mode == "through" and not self._known(chunk.key):
             self._enqueue(chunk, None, bounded=not self.sync)
+
+    def _replace(self, chunk: Chunk) -> None:
+        """A Store of other bytes than the disk holds (or is writing) for this key
+        drops the old version now, before the reply: after a crash the key is the
+        new bytes or a miss, never a version a later Store replaced. So does a file
+        the writer is yet to remove (evicted), and, before the index is rebuilt, the
+        file in place (unknown: a rare extra write)."""
+        key, version = chunk.key, fingerprint(chunk.size, chunk.digests)
+        entry = self.index.get(key)
+        if entry is not None and entry.version != version:
+            self.index.remove(key)
+            self.stats.replaced += 1
+            self._announce_removed(key, pb.REMOVAL_REASON_OVERWRITTEN)
+            self._unlink_now(entry.name)
+        elif entry is None and key not in self._writing and (self._unlinking or not self.ready):
+            name = file_name(key[0], key[2], key[1])
+            if not self.ready or name in self._unlinking:  # not on disk for long: gone now
+                self._unlink_now(name)
+        w = self._writing.get(key)
+        if w is not None and w.version != version:
+            del self._writing[key]
+            self.stats.replaced += 1
+            self.writer.supersede(w)
+
+    def _unlink_now(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.root, name))
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # the next write of the key replaces it (rename)
+            self.stats.write_errors += 1
+            log.warning("disk tier: removing the replaced %s failed: %s", name, exc)
 
     def removed(self, chunk: Chunk, reason: str) -> None:
         if self.mode != "evict" or reason != "evicted" or self._known(chunk.key):
@@ -197,6 +233,7 @@ class DiskTier:
             chunk.owner,
             chunk=chunk if data is None else None,
             data=data,
+            version=fingerprint(chunk.size, chunk.digests),
         )
         if w.file_bytes > self.capacity:
             self.stats.skipped_capacity += 1
@@ -222,7 +259,15 @@ class DiskTier:
             names.append(entry.name)
             self.stats.evicted += 1
             self._announce_removed(key, pb.REMOVAL_REASON_EVICTED)
+        for name in names:
+            self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
+
+    def _unlinked(self, names: list[str]) -> None:
+        for name in names:
+            left = self._unlinking.pop(name) - 1
+            if left:
+                self._unlinking[name] = left
 
     def _victim(self, owner: str, need: int) -> ChunkKey:
         """The least recently used file, preferring owners over their disk share: the
@@ -244,9 +289,10 @@ class DiskTier:
     def _written(self, w: Write, outcome: str) -> None:
         """On the loop, after the writer thread is done with ``w``."""
         self.pending_bytes -= w.file_bytes
-        self._writing.pop(w.key, None)
-        if outcome == "written":
-            self.index.add(w.key, Entry(w.name, w.size, w.file_bytes, w.owner))
+        if self._writing.get(w.key) is w:
+            del self._writing[w.key]
+        if outcome == "written" and not w.superseded:  # a superseded one: see _replace
+            self.index.add(w.key, Entry(w.name, w.size, w.file_bytes, w.owner, w.version))
             self.stats.writes += 1
             self.stats.bytes_written += w.size
             if self.events is not None:
@@ -261,26 +307,26 @@ class DiskTier:
                     self.root,
                     self.stats.skipped_full,
                 )
-        else:
+        elif outcome == "error":
             self.stats.write_errors += 1
-        waiter = self._waiters.pop(w.key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(outcome == "written")
+        if w.waiter is not None and not w.waiter.done():
+            w.waiter.set_result(outcome == "written")
 
     async def durable(self, keys: Sequence[ChunkKey], budget: float) -> None:
         """Wait (up to ``budget`` s) until the writes of ``keys`` now queued are done:
         a Store with --disk-write through --disk-sync replies once its chunks are
         durable. A skipped or failed write ends the wait too (the reply is the same:
-        the chunks are in memory)."""
+        the chunks are in memory), and so does the budget (counted: durable_late)."""
         waits = []
         for key in keys:
-            if key in self._writing:
-                waiter = self._waiters.get(key)
-                if waiter is None:
-                    waiter = self._waiters[key] = self.loop.create_future()
-                waits.append(waiter)
+            w = self._writing.get(key)
+            if w is not None:
+                if w.waiter is None:
+                    w.waiter = self.loop.create_future()
+                waits.append(w.waiter)
         if waits:
-            await asyncio.wait(waits, timeout=max(budget, 0.0))
+            _, late = await asyncio.wait(waits, timeout=max(budget, 0.0))
+            self.stats.durable_late += len(late)
 
     @property
     def waits_for_writes(self) -> bool:

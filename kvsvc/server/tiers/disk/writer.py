@@ -42,6 +42,12 @@ class Write:
     owner: str
     chunk: Chunk | None = None
     data: bytes | None = None
+    version: int = 0  # format.fingerprint of its bytes
+    #: a later Store of other bytes replaced it: it must not land (under Writer.lock)
+    superseded: bool = False
+    renamed: bool = False  # at its final name (under Writer.lock)
+    #: a Store waiting until it is durable (--disk-sync through)
+    waiter: asyncio.Future[bool] | None = None
 
     @property
     def file_bytes(self) -> int:
@@ -53,12 +59,13 @@ class Unlink:
     names: list[str]
 
 
-#: outcome of a write: "written", "full" (skipped: no space) or "error"
+#: outcome of a write: "written", "full" (skipped: no space), "superseded" or "error"
 Done = Callable[[Write, str], None]
 
 
 class Writer:
-    """The queue and its thread. ``done`` runs on the loop after each write."""
+    """The queue and its thread. ``done`` runs on the loop after each write,
+    ``unlinked`` after each batch of removals."""
 
     def __init__(
         self,
@@ -68,16 +75,19 @@ class Writer:
         sync: bool,
         limit: int,
         done: Done,
+        unlinked: Callable[[list[str]], None],
     ) -> None:
         self.root, self.store, self.loop, self.sync = root, store, loop, sync
         self.limit = limit
         self.queued_bytes = 0  # on the loop
-        self._done = done
+        self._done, self._unlinked = done, unlinked
         self._queue: queue.Queue[Write | Unlink | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvsvc-disk-write", daemon=True)
         self._closed = False
         self.idle = threading.Event()
         self.idle.set()
+        #: orders a rename against ``supersede`` (held for one rename, never for I/O)
+        self.lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -96,6 +106,17 @@ class Writer:
         self.idle.clear()
         self._queue.put(write)
         return True
+
+    def supersede(self, write: Write) -> None:
+        """On the loop: ``write``'s bytes were replaced by a later Store. Not yet
+        renamed: it never will be. Renamed: its file is removed now, before the
+        reply, so no crash brings back a version a later Store replaced."""
+        with self.lock:
+            write.superseded = True
+            landed = write.renamed
+        if landed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.root, write.name))
 
     def unlink(self, names: list[str]) -> None:
         if names:
@@ -122,6 +143,8 @@ class Writer:
                 for name in item.names:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(self.root, name))
+                with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
+                    self.loop.call_soon_threadsafe(self._unlinked, item.names)
             else:
                 outcome = self._write(item)
                 self._back(item, outcome)
@@ -139,6 +162,8 @@ class Writer:
         self._done(write, outcome)
 
     def _write(self, w: Write) -> str:
+        if w.superseded:  # read unlocked: a stale False is settled before the rename
+            return "superseded"
         tmp = os.path.join(self.root, TMP_DIR, uuid.uuid4().hex)
         final = os.path.join(self.root, w.name)
         try:
@@ -153,13 +178,18 @@ class Writer:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:  # its subdirectory is new (or was removed)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                if self.sync:
-                    _sync_dir(self.root)
-                os.rename(tmp, final)
+            with self.lock:
+                if w.superseded:
+                    os.unlink(tmp)
+                    return "superseded"
+                try:
+                    os.rename(tmp, final)
+                except FileNotFoundError:  # its subdirectory is new (or was removed)
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    if self.sync:
+                        _sync_dir(self.root)
+                    os.rename(tmp, final)
+                w.renamed = True
             if self.sync:
                 _sync_dir(os.path.dirname(final))
             return "written"
