@@ -48,6 +48,7 @@ __all__ = [
     "deployment_namespace",
     "hash_bytes",
     "log",
+    "offload_namespace",
     "setup_logging",
 ]
 
@@ -119,6 +120,35 @@ def deployment_namespace(vllm_config: Any, kv_cache_config: Any, cfg: VllmConnec
         "blocks_per_chunk": cfg.blocks_per_chunk,
         "vllm": VLLM_VERSION,
     }
+    return _namespace(cfg, fingerprint)
+
+
+def offload_namespace(config: Any, row_bytes: int, cfg: VllmConnectorConfig) -> str:
+    """The namespace of the offloading tier (tier.py): as ``deployment_namespace``,
+    from what vLLM's ``OffloadingConfig`` holds, plus the primary tier's row (one
+    kvsvc chunk holds one whole row: every worker's slot of one offload chunk)."""
+    par, cache = config.parallel, config.cache
+    fingerprint = {
+        "kind": "offload",  # another byte layout than the KV connector's chunks
+        "model": str(config.model.name),
+        "cache_dtype": str(config.model.dtype),
+        "groups": [[g.group_id, g.tokens_per_block, len(g.layer_names)] for g in config.groups],
+        "worker_kv_bytes_per_block": int(config.worker_kv_bytes_per_block),
+        "row_bytes": int(row_bytes),
+        "tokens_per_hash": int(cache.tokens_per_hash),
+        "blocks_per_chunk": int(cache.blocks_per_chunk),
+        "parallel": [par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
+        "layout": [
+            str(getattr(config, "kv_cache_layout", None)),
+            bool(getattr(config, "canonical_layout", False)),
+            bool(getattr(config, "replicated_layout", False)),
+        ],
+        "vllm": VLLM_VERSION,
+    }
+    return _namespace(cfg, fingerprint)
+
+
+def _namespace(cfg: VllmConnectorConfig, fingerprint: dict[str, Any]) -> str:
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
     return f"{cfg.namespace}/{digest[:32]}"
 
