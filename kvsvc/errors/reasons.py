@@ -355,7 +355,8 @@ _CATALOGUE: tuple[Reason, ...] = (
     _reason(
         "CHECKSUM_MISMATCH",
         DataLoss,
-        "a stored chunk failed its checksum: memory corruption on the server",
+        "a stored chunk failed its checksum; this server answers it as a chunk not "
+        "loaded (and drops it), older ones with this fatal error",
     ),
     _reason(
         "FATAL_SERVER_ERROR", FatalServerError, "the instance failed fatally and stops serving"
