@@ -105,6 +105,112 @@ class RemoteStats(Protocol):
     def breaker_state(self) -> int: ...
 
 
+class DiskCounters(Protocol):
+    """The disk tier's counters (kvsvc.server.tiers.disk.DiskStats)."""
+
+    writes: int
+    bytes_written: int
+    skipped_full: int
+    skipped_queue: int
+    skipped_capacity: int
+    write_errors: int
+    replaced: int
+    durable_late: int
+    evicted: int
+    hits: int
+    bytes_read: int
+    misses: int
+    load_refused: int
+    load_late: int
+    index_seconds: float
+
+    @property
+    def refused(self) -> Mapping[str, int]: ...
+
+
+class DiskView(Protocol):
+    """What the disk-tier metrics read (kvsvc.server.tiers.disk.DiskTier has these)."""
+
+    capacity: int
+    ready: bool
+
+    @property
+    def stats(self) -> DiskCounters: ...
+    @property
+    def files(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def queued_bytes(self) -> int: ...
+
+
+class _DiskCollector:
+    """Disk-tier counters and gauges, read from the tier when scraped."""
+
+    def __init__(self, disk: DiskView) -> None:
+        self.disk = disk
+
+    def collect(self) -> Iterator[Any]:
+        d, s = self.disk, self.disk.stats
+        for name, doc, gauge in (
+            ("kvsvc_disk_files", "chunk files the disk tier holds", d.files),
+            ("kvsvc_disk_used_bytes", "bytes of the chunk files held", d.used_bytes),
+            ("kvsvc_disk_capacity_bytes", "--disk-capacity", d.capacity),
+            ("kvsvc_disk_queue_bytes", "chunk bytes waiting to be written", d.queued_bytes),
+            ("kvsvc_disk_index_ready", "1 once the index of --disk-dir is rebuilt", d.ready),
+            ("kvsvc_disk_index_seconds", "time the index rebuild took at start", s.index_seconds),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(gauge))
+        for name, doc, value in (
+            ("kvsvc_disk_written_chunks", "chunk files written", s.writes),
+            ("kvsvc_disk_written_bytes", "chunk bytes written to disk", s.bytes_written),
+            ("kvsvc_disk_evicted_files", "files removed for room (--disk-capacity)", s.evicted),
+            ("kvsvc_disk_hits", "chunks loaded back from disk into memory", s.hits),
+            ("kvsvc_disk_read_bytes", "chunk bytes loaded back from disk", s.bytes_read),
+            (
+                "kvsvc_disk_durable_late",
+                "--disk-sync Stores that replied at their deadline, before their chunks "
+                "were durable",
+                s.durable_late,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        skipped = CounterMetricFamily(
+            "kvsvc_disk_skipped_writes",
+            "chunks not written to disk, by why: full (ENOSPC/EDQUOT), queue (write-behind "
+            "full), capacity (larger than --disk-capacity), error (I/O), replaced (a later "
+            "Store of the key brought other bytes)",
+            labels=["reason"],
+        )
+        for reason, n in (
+            ("full", s.skipped_full),
+            ("queue", s.skipped_queue),
+            ("capacity", s.skipped_capacity),
+            ("error", s.write_errors),
+            ("replaced", s.replaced),
+        ):
+            skipped.add_metric([reason], n)
+        yield skipped
+        unserved = CounterMetricFamily(
+            "kvsvc_disk_load_misses",
+            "chunks the disk index listed and a Retrieve did not get, by why: file "
+            "(gone or refused), no_room (memory), late (past the call's budget)",
+            labels=["reason"],
+        )
+        for reason, n in (("file", s.misses), ("no_room", s.load_refused), ("late", s.load_late)):
+            unserved.add_metric([reason], n)
+        yield unserved
+        refused = CounterMetricFamily(
+            "kvsvc_disk_refused_files",
+            "chunk files that did not check (at the index rebuild or on load), by kind: "
+            "quarantined, or gone (removed under the server)",
+            labels=["kind"],
+        )
+        for kind, n in sorted(dict(s.refused).items()):
+            refused.add_metric([kind], n)
+        yield refused
+
+
 class EventStats(Protocol):
     """What metrics read of the events stream (kvsvc.server.events.EventLog)."""
 
@@ -199,6 +305,7 @@ class Metrics:
         fds: FdStats | None,
         remote: RemoteStats | None = None,
         events: EventStats | None = None,
+        disk: DiskView | None = None,
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -307,6 +414,8 @@ class Metrics:
             r.register(_RemoteCollector(remote))  # type: ignore[arg-type]
         if events is not None:
             r.register(_EventsCollector(events))  # type: ignore[arg-type]
+        if disk is not None:
+            r.register(_DiskCollector(disk))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._transfer_children: dict[str, tuple[Any, Any]] = {}
 

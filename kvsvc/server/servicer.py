@@ -101,6 +101,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             fds=self.fds,
             remote=self.remote,
             events=self.events,
+            disk=self.disk,
         )
         self.transfers = Transfers(
             config, self.store, self.engine, self.remote, self.mapper, self.metrics, self.start_id

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_health
 
 from kvsvc.client import KVCacheClient
@@ -305,6 +307,21 @@ def test_a_full_disk_skips_writes_and_fails_no_call(make_server, small_tmpfs: Pa
             served += len(got)
         assert c.server_info().evicted_chunks > 0
         assert disk.stats.hits > 0, disk.stats  # some came back from the full disk
+    text = generate_latest(srv.server.servicer.metrics.registry).decode()
+    seen = {
+        (m.name, tuple(m.labels.values())): m.value
+        for f in text_string_to_metric_families(text)
+        for m in f.samples
+    }
+    for name, labels, value in (  # what an operator sees of it
+        ("kvsvc_disk_skipped_writes_total", ("full",), stats.skipped_full),
+        ("kvsvc_disk_written_chunks_total", (), disk.stats.writes),
+        ("kvsvc_disk_hits_total", (), disk.stats.hits),
+        ("kvsvc_disk_files", (), len(disk.index)),
+        ("kvsvc_disk_used_bytes", (), disk.index.used_bytes),
+        ("kvsvc_disk_index_ready", (), 1),
+    ):
+        assert seen[(name, labels)] == value, (name, labels, seen.get((name, labels)))
     print(f"disk full: {stats.writes} written, {stats.skipped_full} skipped, {served}/40 served")
 
 

@@ -157,6 +157,19 @@ class DiskTier:
                 self.events.stored(namespace, [chunk_key], layout, entry.size, pb.TIER_DISK)
         on_ready()
 
+    # --- what metrics read (kvsvc.server.metrics.DiskView) ---
+    @property
+    def files(self) -> int:
+        return len(self.index)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    @property
+    def queued_bytes(self) -> int:
+        return self.writer.queued_bytes
+
     def contents(self) -> Iterator[tuple[ChunkKey, int]]:
         """(chunk, bytes) of every chunk on disk (the events stream's snapshot)."""
         for key, entry in self.index.entries.items():
