@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,3 +41,62 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     """A module skipped at collection (no vLLM) fails too under KVSVC_VLLM_REQUIRED=1."""
     if REQUIRED and report.skipped:
         report.outcome = "failed"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A server started as docker/compose.yaml starts it: a tenant file made by
+    ``kvsvc init-auth`` (every call needs its token), a socket directory (the fd
+    socket as another container mounts it), a plaintext health port, TLS on the
+    gRPC port. Yields its port and the connector/tier keys that reach it."""
+    from certs import make_ca, make_cert
+    from driver import KvsvcProcess
+    from vllm_helpers import free_port
+
+    from kvsvc.client import ClientTLS
+
+    tmp_path = tmp_path_factory.mktemp("secured")
+    tenants = tmp_path / "auth" / "tenants.json"
+    tenants.parent.mkdir()
+    subprocess.run(
+        [sys.executable, "-m", "kvsvc", "init-auth", "--tenant-file", str(tenants)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    token_file = tenants.parent / "token"
+    make_ca(tmp_path, "ca")
+    make_cert(tmp_path, "ca", "server", "localhost", "DNS:localhost")
+    sockets = tempfile.mkdtemp(prefix="kvs")  # a socket path must fit in 108 bytes
+    server = KvsvcProcess(
+        free_port(),
+        "",
+        str(tmp_path),
+        "--auth-token-file",
+        str(tenants),
+        "--socket-dir",
+        sockets,
+        "--health-listen",
+        f"127.0.0.1:{free_port()}",
+        "--tls-cert",
+        str(tmp_path / "server.pem"),
+        "--tls-key",
+        str(tmp_path / "server.key"),
+        client={
+            "token": token_file.read_text().strip(),
+            "tls": ClientTLS(ca=str(tmp_path / "ca.pem"), server_name="localhost"),
+        },
+    )
+    try:
+        yield {
+            "port": int(server.address.rsplit(":", 1)[1]),
+            "keys": {
+                "token_file": str(token_file),
+                "tls_ca": str(tmp_path / "ca.pem"),
+                "tls_server_name": "localhost",
+                "fd_socket": f"{sockets}/fd.sock",
+            },
+        }
+    finally:
+        server.kill()
+        shutil.rmtree(sockets, ignore_errors=True)

@@ -6,19 +6,13 @@ health-only port, and TLS on the gRPC port. Both halves are driven directly
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm.distributed", reason="the vLLM connector tests run in .venv-vllm")
 
-from certs import make_ca, make_cert
 from direct import (
     BLOCK,
     KV_CACHE_CONFIG,
@@ -30,63 +24,11 @@ from direct import (
     vllm_config,
     vllm_like_kv_caches,
 )
-from driver import KvsvcProcess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm_helpers import free_port
 
 import kvsvc.integrations.vllm.worker as worker
-from kvsvc.client import ClientTLS
 from kvsvc.integrations.vllm.common import KvsvcConnectorMetadata, Op
 from kvsvc.integrations.vllm.connector import KvsvcConnector
-
-
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp_path = tmp_path_factory.mktemp("secured")
-    tenants = tmp_path / "auth" / "tenants.json"
-    tenants.parent.mkdir()
-    subprocess.run(
-        [sys.executable, "-m", "kvsvc", "init-auth", "--tenant-file", str(tenants)],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    token_file = tenants.parent / "token"
-    make_ca(tmp_path, "ca")
-    make_cert(tmp_path, "ca", "server", "localhost", "DNS:localhost")
-    sockets = tempfile.mkdtemp(prefix="kvs")  # a socket path must fit in 108 bytes
-    server = KvsvcProcess(
-        free_port(),
-        "",
-        str(tmp_path),
-        "--auth-token-file",
-        str(tenants),
-        "--socket-dir",
-        sockets,
-        "--health-listen",
-        f"127.0.0.1:{free_port()}",
-        "--tls-cert",
-        str(tmp_path / "server.pem"),
-        "--tls-key",
-        str(tmp_path / "server.key"),
-        client={
-            "token": token_file.read_text().strip(),
-            "tls": ClientTLS(ca=str(tmp_path / "ca.pem"), server_name="localhost"),
-        },
-    )
-    try:
-        yield {
-            "port": int(server.address.rsplit(":", 1)[1]),
-            "keys": {
-                "token_file": str(token_file),
-                "tls_ca": str(tmp_path / "ca.pem"),
-                "tls_server_name": "localhost",
-                "fd_socket": f"{sockets}/fd.sock",
-            },
-        }
-    finally:
-        server.kill()
-        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def scheduler(port: int, keys: dict[str, str]) -> Any:

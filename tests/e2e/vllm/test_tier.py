@@ -1,0 +1,157 @@
+"""KvsvcTier below vLLM's real TieringOffloadingManager (tiering.py builds it from
+vLLM's own spec and factory, over a real /dev/shm offload file), against real
+`kvsvc serve` processes: what one engine offloads another loads bit-exact; a
+kvsvc killed mid-run is misses and failed jobs, never an exception or a hang, and
+the tier maps again once kvsvc is back; a server secured as docker/compose.yaml
+secures it is reached with the connector's token_file, tls_* and fd_socket keys."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering", reason="the vLLM tests run in .venv-vllm")
+
+from driver import KvsvcProcess
+from tiering import Engine, new_keys
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm_helpers import free_port
+
+from kvsvc.integrations.vllm.tier import KvsvcTier
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[KvsvcProcess]:
+    proc = KvsvcProcess(free_port(), "", str(tmp_path))
+    yield proc
+    proc.kill()
+
+
+def test_vllms_factory_builds_the_tier_from_its_config(server) -> None:
+    engine = Engine(target=server.address)
+    try:
+        assert type(engine.tier) is KvsvcTier  # loaded by type + module_path alone
+        assert engine.tier.mover is not None  # vLLM's offload file found and proven
+        assert engine.tier.namespace.startswith("vllm/")
+    finally:
+        engine.close()
+
+
+def test_what_one_engine_offloads_another_loads_bit_exact(server) -> None:
+    a, b = Engine(target=server.address), Engine(target=server.address)
+    try:
+        keys = new_keys(6)
+        data = a.offload(keys, seed=1)
+        a.settle()
+        assert a.tier.counters["stored_chunks"] == 6, a.tier.counters
+        assert a.tier.namespace == b.tier.namespace  # one deployment, one namespace
+        b.wait_index()
+        other = new_keys(2)  # never stored: misses
+        got = b.fetch(keys + other)
+        assert [got[k] for k in other] == [LookupResult.MISS] * 2
+        assert {k: got[k] for k in keys} == data  # promoted from kvsvc, byte for byte
+        assert b.tier.counters["loaded_chunks"] == 6, b.tier.counters
+        # Promoted into b's own CPU tier: asked again, vLLM answers without kvsvc.
+        assert {k: v for k, v in b.fetch(keys).items()} == data
+        assert b.tier.counters["loaded_chunks"] == 6
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_load_fails_for_exactly_the_keys_not_loaded(server) -> None:
+    a, b = Engine(target=server.address), Engine(target=server.address)
+    try:
+        stored = new_keys(3)
+        data = a.offload(stored, seed=2)
+        a.settle()
+        absent = new_keys(1)[0]
+        # A job as vLLM's promotion submits it; kvsvc loads the leading run it holds.
+        keys = [stored[0], stored[1], absent, stored[2]]
+        chunks = np.array([20, 21, 22, 23], dtype=np.int32)
+        job = TransferJob(7, keys, chunks, is_promotion=True, req_context=ReqContext("x"))
+        b.tier.submit_load(job)
+        end = time.monotonic() + 30
+        results: list = []
+        while not results:
+            assert time.monotonic() < end, b.tier.counters
+            results = list(b.tier.get_finished_jobs())
+            time.sleep(0.01)
+        (r,) = results
+        assert r.job_id == 7 and not r.success
+        assert list(r.successful_keys) == keys[:2]
+        assert [b.rows[c].tobytes() for c in (20, 21)] == [data[k] for k in keys[:2]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_kvsvc_killed_mid_run_is_misses_and_failed_jobs_then_recovers(tmp_path) -> None:
+    port = free_port()
+    server = KvsvcProcess(port, "", str(tmp_path))
+    a, b = Engine(target=server.address), Engine(target=server.address)
+    try:
+        before = new_keys(4)
+        a.offload(before, seed=3)
+        a.settle()
+        b.wait_index()
+        server.kill()
+
+        # Stores cascaded now are dropped or fail; vLLM's manager gets every job back.
+        t0 = time.monotonic()
+        lost = new_keys(4)
+        a.offload(lost, seed=4)
+        a.settle(timeout=30)
+        failed = a.tier.counters["stores_failed"] + a.tier.counters["stores_dropped"]
+        assert failed == 4, a.tier.counters
+        # What kvsvc held is now a miss (a stale index, or a promotion that failed).
+        got = b.fetch(before, timeout=30)
+        assert set(got.values()) == {LookupResult.MISS}, b.tier.counters
+        print(f"outage answered in {time.monotonic() - t0:.2f} s: {dict(b.tier.counters)}")
+        assert not a.tier.counters["hook_errors"] and not b.tier.counters["hook_errors"]
+
+        # kvsvc comes back (empty): the tier passes the file again, maps, stores.
+        server = KvsvcProcess(port, "", str(tmp_path))
+        end = time.monotonic() + 60
+        while True:
+            again = new_keys(2)
+            data = a.offload(again, seed=5)
+            a.settle()
+            if a.tier.counters["stored_chunks"] >= 6:
+                break
+            assert time.monotonic() < end, a.tier.counters
+            time.sleep(0.2)
+        b.wait_index()
+        assert {k: v for k, v in b.fetch(again).items()} == data
+    finally:
+        a.close()
+        b.close()
+        server.kill()
+
+
+def test_a_secured_server_with_token_tls_and_fd_socket(secured) -> None:
+    target = f"127.0.0.1:{secured['port']}"
+    a, b = Engine(target=target, **secured["keys"]), Engine(target=target, **secured["keys"])
+    no_token = {k: v for k, v in secured["keys"].items() if k != "token_file"}
+    c = Engine(target=target, **no_token)
+    try:
+        keys = new_keys(3)
+        data = a.offload(keys, seed=6)
+        a.settle()
+        assert a.tier.counters["stored_chunks"] == 3, a.tier.counters
+        b.wait_index()
+        assert {k: v for k, v in b.fetch(keys).items()} == data
+        # Without the token every call is refused: misses and dropped stores, no error.
+        c.offload(new_keys(2), seed=7)
+        c.settle()
+        assert c.tier.counters["stored_chunks"] == 0
+        assert set(c.fetch(keys).values()) == {LookupResult.MISS}
+        assert not c.tier.counters["hook_errors"]
+    finally:
+        for e in (a, b, c):
+            e.close()
