@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm clean
+.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm sglang clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -60,7 +60,7 @@ check: install lint typecheck unit
 unit: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
-test: install lint typecheck check-proto buf pytest bench-smoke clients cpp languages deploy packages vllm test-container
+test: install lint typecheck check-proto buf pytest bench-smoke clients cpp languages deploy packages vllm sglang test-container
 	@echo "make test: all checks passed"
 
 proto: install
@@ -142,5 +142,9 @@ test-container: install
 vllm:
 	./scripts/check_vllm.sh
 
+# The SGLang HiCache storage backend against real SGLang on CPU (.venv-sglang).
+sglang:
+	./scripts/check_sglang.sh
+
 clean:
-	rm -rf $(VENV) .venv-vllm tools/node_modules
+	rm -rf $(VENV) .venv-vllm .venv-sglang tools/node_modules
