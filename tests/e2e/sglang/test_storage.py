@@ -1,0 +1,287 @@
+"""KvsvcHiCacheStorage against SGLang 0.5.23's real classes: built by SGLang's own
+dynamic backend factory from the documented extra config, registered with SGLang's
+real host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost) in every layout they
+offer, driven through the zero-copy v1 calls SGLang's controller makes, against a
+real `kvsvc serve` that is killed, stopped and restarted under it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="runs in .venv-sglang")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang_pools import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    REFUSED_LAYOUTS,
+    fill_pages,
+    indices,
+    mha_pool,
+    mla_pool,
+    page_bytes,
+)
+from support import ServerProcess
+
+from kvsvc.integrations.sglang.pages import LayoutRefused
+from kvsvc.integrations.sglang.storage import KvsvcHiCacheStorage
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    shm = tmp_path_factory.mktemp("shm")
+    srv = ServerProcess(shm, "--store-bytes", "256M")
+    yield srv
+    srv.kill()
+
+
+def storage_config(
+    target: str, *, mla: bool = False, rank: int = 0, tp: int = 1, **extra: Any
+) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=rank,
+        tp_size=tp,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="test/tiny-model",
+        extra_config={
+            "backend_name": "kvsvc",
+            "module_path": "kvsvc.integrations.sglang",
+            "class_name": "KvsvcHiCacheStorage",
+            "interface_v1": 1,
+            "target": target,
+            "reconnect_interval_s": 0.3,
+            **extra,
+        },
+    )
+
+
+def backend(pool: Any, cfg: HiCacheStorageConfig) -> KvsvcHiCacheStorage:
+    """As SGLang's cache controller makes it: the factory, then register_mem_pool_host."""
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert isinstance(b, KvsvcHiCacheStorage) and isinstance(b, HiCacheStorage)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def keys(tag: str, n: int) -> list[str]:
+    return [f"{tag}-{i:04d}" for i in range(n)]
+
+
+POOLS = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
+
+
+def make_pool(kind: str, layout: str) -> Any:
+    return mha_pool(layout) if kind == "mha" else mla_pool(layout)
+
+
+@pytest.mark.parametrize(("kind", "layout"), POOLS)
+def test_round_trip_bit_exact(server: ServerProcess, kind: str, layout: str) -> None:
+    """Pages written by one engine's backend are read bit-exact into another
+    engine's host pool, at other host pages; a miss stops the run."""
+    cfg = storage_config(server.address, mla=kind == "mla")
+    src, dst = make_pool(kind, layout), make_pool(kind, layout)
+    a, b = backend(src, cfg), backend(dst, cfg)
+    try:
+        ks = keys(f"rt-{kind}-{layout}", 6)
+        src_pages, dst_pages = [1, 3, 4, 7, 9, 10], [2, 5, 6, 8, 11, 12]
+        fill_pages(src, src_pages, seed=len(layout))
+        assert a.batch_set_v1(ks, indices(src, src_pages)) == [True] * 6
+        assert b.batch_exists(ks) == 6
+        probe = [*ks[:3], "absent-key", *ks[3:]]
+        assert b.batch_exists(probe) == 3
+        got = b.batch_get_v1(probe, indices(dst, [*dst_pages[:3], 13, *dst_pages[3:]]))
+        assert got == [True, True, True, False, False, False, False]
+        for s, d in zip(src_pages[:3], dst_pages[:3], strict=True):
+            assert page_bytes(dst, d) == page_bytes(src, s)
+        assert page_bytes(dst, dst_pages[3]) == bytes(len(page_bytes(dst, 0)))  # untouched
+        assert b.batch_get_v1(ks, indices(dst, dst_pages)) == [True] * 6
+        for s, d in zip(src_pages, dst_pages, strict=True):
+            assert page_bytes(dst, d) == page_bytes(src, s)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_refused_layouts_one_line(server: ServerProcess, kind: str) -> None:
+    for layout in REFUSED_LAYOUTS:
+        pool = make_pool(kind, layout)
+        b = StorageBackendFactory.create_backend(
+            "dynamic", storage_config(server.address, mla=kind == "mla"), pool
+        )
+        with pytest.raises(LayoutRefused) as e:
+            b.register_mem_pool_host(pool)
+        assert "\n" not in str(e.value) and "page_unified" in str(e.value)
+
+
+def test_tp2_mha_each_rank_its_own_heads(server: ServerProcess) -> None:
+    pools = [mha_pool("page_first") for _ in range(2)]
+    bs = [backend(p, storage_config(server.address, rank=r, tp=2)) for r, p in enumerate(pools)]
+    try:
+        ks = keys("tp2-mha", 4)
+        for r, p in enumerate(pools):
+            fill_pages(p, [1, 2, 3, 4], seed=100 + r)
+            assert bs[r].batch_set_v1(ks, indices(p, [1, 2, 3, 4])) == [True] * 4
+        readers = [mha_pool("page_first") for _ in range(2)]
+        rb = [
+            backend(p, storage_config(server.address, rank=r, tp=2)) for r, p in enumerate(readers)
+        ]
+        for r in range(2):
+            assert rb[r].batch_get_v1(ks, indices(readers[r], [5, 6, 7, 8])) == [True] * 4
+            for s, d in zip([1, 2, 3, 4], [5, 6, 7, 8], strict=True):
+                assert page_bytes(readers[r], d) == page_bytes(pools[r], s)
+        # tp 1 is another head split: it shares nothing with tp 2's pages
+        solo = backend(mha_pool("page_first"), storage_config(server.address))
+        assert solo.batch_exists(ks) == 0
+        for b in [*rb, solo]:
+            b.close()
+    finally:
+        for b in bs:
+            b.close()
+
+
+def test_tp2_mla_shared_written_by_the_writer_only(server: ServerProcess) -> None:
+    pools = [mla_pool("page_first") for _ in range(2)]
+    bs = [
+        backend(p, storage_config(server.address, mla=True, rank=r, tp=2))
+        for r, p in enumerate(pools)
+    ]
+    try:
+        assert bs[0].sc.is_storage_writer and not bs[1].sc.is_storage_writer
+        ks = keys("tp2-mla", 3)
+        fill_pages(pools[1], [1, 2, 3], seed=7)
+        # the non-writer reports success and writes nothing
+        assert bs[1].batch_set_v1(ks, indices(pools[1], [1, 2, 3])) == [True] * 3
+        assert bs[0].batch_exists(ks) == 0
+        fill_pages(pools[0], [1, 2, 3], seed=8)
+        assert bs[0].batch_set_v1(ks, indices(pools[0], [1, 2, 3])) == [True] * 3
+        assert bs[1].batch_get_v1(ks, indices(pools[1], [4, 5, 6])) == [True] * 3
+        for s, d in zip([1, 2, 3], [4, 5, 6], strict=True):
+            assert page_bytes(pools[1], d) == page_bytes(pools[0], s)
+    finally:
+        for b in bs:
+            b.close()
+
+
+def test_tensor_calls_round_trip(server: ServerProcess) -> None:
+    """The path without interface_v1, as SGLang's generic page get/set uses it."""
+    src, dst = mha_pool("page_first"), mha_pool("page_first")
+    cfg = storage_config(server.address)
+    a, b = backend(src, cfg), backend(dst, cfg)
+    try:
+        fill_pages(src, [1, 2], seed=3)
+        ks = keys("tensor", 2)
+        assert a.batch_set(ks, [src.get_data_page(p * src.page_size) for p in (1, 2)])
+        assert b.exists(ks[0]) and not b.exists("nope")
+        got = b.batch_get([*ks, "nope"], [dst.get_dummy_flat_data_page() for _ in range(3)])
+        assert got[2] is None and got[0] is not None and got[1] is not None
+        for i, p in enumerate((3, 4)):
+            dst.set_from_flat_data_page(p * dst.page_size, got[i])
+        assert page_bytes(dst, 3) == page_bytes(src, 1)
+        assert page_bytes(dst, 4) == page_bytes(src, 2)
+        assert b.get("nope") is None
+        assert isinstance(b.get_stats(), dict)
+    finally:
+        a.close()
+        b.close()
+
+
+def _no_wrong_bytes(
+    pool: Any, got: list[bool], src: Any, src_pages: list[int], dst_pages: list[int]
+) -> None:
+    """A page reported loaded holds exactly its bytes; the run is leading."""
+    assert isinstance(got, list) and all(isinstance(x, bool) for x in got)
+    n = sum(got)
+    assert got == [True] * n + [False] * (len(got) - n)
+    for s, d in zip(src_pages[:n], dst_pages[:n], strict=True):
+        assert page_bytes(pool, d) == page_bytes(src, s)
+
+
+def test_kill_stop_restart_never_raise_never_wrong(tmp_path: Path) -> None:
+    """kvsvc killed, SIGSTOPped and restarted under running backends: every call
+    returns its type within its deadline; hits come back after the restart."""
+    port = free_port()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    srv = ServerProcess(shm, port=port)
+    extra = {"load_timeout_s": 2.0, "store_timeout_s": 2.0, "fence_timeout_s": 2.0}
+    cfg = storage_config(srv.address, **extra)
+    src, dst = mha_pool("page_first"), mha_pool("page_first")
+    a, b = backend(src, cfg), backend(dst, cfg)
+    ks = keys("faults", 5)
+    sp, dp = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    fill_pages(src, sp, seed=11)
+    try:
+        assert a.batch_set_v1(ks, indices(src, sp)) == [True] * 5
+        assert b.batch_get_v1(ks, indices(dst, dp)) == [True] * 5
+        _no_wrong_bytes(dst, [True] * 5, src, sp, dp)
+
+        # SIGSTOP: answers within the call's deadline (plus margin), as misses
+        srv.signal(signal.SIGSTOP)
+        try:
+            for call in (
+                lambda: b.batch_exists(ks),
+                lambda: b.batch_get_v1(ks, indices(dst, dp)),
+                lambda: a.batch_set_v1(ks, indices(src, sp)),
+            ):
+                t0 = time.monotonic()
+                r = call()
+                assert time.monotonic() - t0 < 2.0 + 10
+                assert r in (0, [False] * 5) or isinstance(r, list)
+                if isinstance(r, list):
+                    _no_wrong_bytes(dst, r, src, sp, dp)
+        finally:
+            srv.signal(signal.SIGCONT)
+        # back: hits again once the link's down time passed (and the fence proved)
+        deadline = time.monotonic() + 30
+        while b.batch_get_v1(ks, indices(dst, dp)) != [True] * 5:
+            assert time.monotonic() < deadline, "no hits after SIGCONT"
+            time.sleep(0.2)
+        _no_wrong_bytes(dst, [True] * 5, src, sp, dp)
+
+        # kill -9: misses, never an exception
+        srv.kill()
+        for _ in range(3):
+            assert b.batch_exists(ks) == 0
+            assert b.batch_get_v1(ks, indices(dst, dp)) == [False] * 5
+            assert a.batch_set_v1(ks, indices(src, sp)) == [False] * 5
+            time.sleep(0.2)
+
+        # restarted on the same address: an empty store (misses), then writes and hits
+        srv = ServerProcess(shm, port=port)
+        deadline = time.monotonic() + 30
+        while a.batch_set_v1(ks, indices(src, sp)) != [True] * 5:
+            assert time.monotonic() < deadline, "no writes after the restart"
+            time.sleep(0.2)
+        for p in dp:  # so that only a real load can make them right
+            dst.get_data_page(p * dst.page_size).zero_()
+        deadline = time.monotonic() + 30
+        while (got := b.batch_get_v1(ks, indices(dst, dp))) != [True] * 5:
+            _no_wrong_bytes(dst, got, src, sp, dp)
+            assert time.monotonic() < deadline, "no hits after the restart"
+            time.sleep(0.2)
+        _no_wrong_bytes(dst, got, src, sp, dp)
+        assert b.batch_exists(ks) == 5
+    finally:
+        a.close()
+        b.close()
+        srv.kill()
