@@ -6,9 +6,11 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvsvc.integrations.common import parse_bool as _parse_bool
+from kvsvc.integrations.common import read_token
 from kvsvc.limits import validate_deadline
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+__all__ = ["VllmConnectorConfig", "read_token"]
 
 
 @dataclass(frozen=True)
@@ -84,26 +86,3 @@ class VllmConnectorConfig:
             else:
                 values[name] = str(raw)
         return cls(**values)
-
-
-def _parse_bool(name: str, raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"{name} must be true or false, got {raw!r}")
-
-
-def read_token(path: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace dropped); the message
-    names the file, never its content. (The server's ``read_token_file`` does the
-    same for the CLI; integrations may not import the server.)"""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"token_file {path}: cannot read it ({type(exc).__name__})") from None
-    if not token or any(c.isspace() for c in token):
-        raise ValueError(f"token_file {path}: must hold one token, without spaces")
-    return token
