@@ -123,7 +123,9 @@ class Mover:
             if len(queue) >= MAX_QUEUED:
                 return False
             queue.append(job)
-        self.wake[job.load].set()
+            idle = self.busy[job.load] is None and len(queue) == 1
+        if idle:  # a busy thread takes it next without a wake-up (fewer GIL hand-offs)
+            self.wake[job.load].set()
         return True
 
     def pending(self) -> int:
