@@ -10,7 +10,8 @@
 #      pytest-asyncio for pyproject's asyncio_mode) are installed each run too, so
 #      that adding one does not rebuild the 3.5 GB venv.
 #   2. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
-#      skip into a failure (the main venv's pytest skips those tests: no vLLM).
+#      skip into a failure (the main venv's pytest skips those tests: no vLLM), then
+#      benchmarks/vllm_tier.py at smoke size.
 # Env: VLLM_VENV (default .venv-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +40,6 @@ TEST_EXTRAS="msgpack pytest-asyncio"
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/vllm "$@"
+# The offloading tier's per-call cost at smoke size, so the benchmark cannot rot (~15 s).
+"$VENV/bin/python" -m benchmarks.vllm_tier --smoke --out bench-results/vllm-smoke
 echo "vllm: done in $((SECONDS - start)) s"
