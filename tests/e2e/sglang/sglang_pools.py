@@ -1,87 +1,20 @@
 """SGLang's real host pools on CPU, built as SGLang's pool assembler builds them
 (an ``MHABufferInfo``/``MLABufferInfo`` over device-side K/V tensors, here CPU
-tensors), and the one import stand-in these tests need.
-
-The stand-in: ``import sglang.srt.mem_cache.pool_host`` reaches
-``sglang.srt.configs``, whose multimodal configs import torchvision at module
-level. PyPI's torchvision wheels are CUDA builds that fail to load against the
-CPU torch (``operator torchvision::nms does not exist``), and torchvision plays
-no part in host pools or storage. So, only when torchvision is absent, an empty
-``torchvision`` package is registered whose every name raises when used; no
-SGLang code is replaced."""
+tensors; conftest.py registers the torchvision stand-in these imports need)."""
 
 from __future__ import annotations
 
-import enum
-import importlib.machinery
-import importlib.util
-import sys
-import types
 from typing import Any
 
 import torch
-
-
-class _Absent:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("torchvision is not installed in the SGLang test venv")
-
-
-def _absent_torchvision() -> None:
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
-        return
-    names = (
-        "torchvision",
-        "torchvision.io",
-        "torchvision.ops",
-        "torchvision.transforms",
-        "torchvision.transforms.functional",
-        "torchvision.transforms.v2",
-        "torchvision.transforms.v2.functional",
-    )
-    mods: dict[str, types.ModuleType] = {}
-    for name in names:
-        m = types.ModuleType(name)
-        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        m.__path__ = []
-
-        def attr(a: str) -> Any:
-            if a.startswith("__"):
-                raise AttributeError(a)
-            return _Absent
-
-        m.__getattr__ = attr  # type: ignore[method-assign]
-        mods[name] = m
-
-    class InterpolationMode(enum.Enum):
-        NEAREST = "nearest"
-        NEAREST_EXACT = "nearest-exact"
-        BILINEAR = "bilinear"
-        BICUBIC = "bicubic"
-        BOX = "box"
-        HAMMING = "hamming"
-        LANCZOS = "lanczos"
-
-    for name in ("torchvision.transforms", "torchvision.transforms.functional"):
-        mods[name].InterpolationMode = InterpolationMode  # type: ignore[attr-defined]
-    mods["torchvision"].__version__ = "0.0"  # type: ignore[attr-defined]
-    for name, m in mods.items():
-        if "." in name:
-            parent, _, child = name.rpartition(".")
-            setattr(mods[parent], child, m)
-    sys.modules.update(mods)
-
-
-_absent_torchvision()
-
-from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import (
     KVBufferLayout,
     KVBuffers,
     MHABufferInfo,
     MLABufferInfo,
 )
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
