@@ -311,6 +311,7 @@ class Transfers:
         stream: Stream | None = None
         loaded: list[Chunk] = []  # handed to the stream, in key order
         failed: dict[int, Digest] = {}  # chunks that failed their check: no part after
+        cut: list[int] = []  # first chunks of parts refused as they came up (the deadline)
         failure: BaseException | None = None  # raised once no part runs
         over = False  # no more parts: refused, failed, or the call ended
         t0 = time.perf_counter()
@@ -359,9 +360,12 @@ class Transfers:
             results: list[list[Digest]] | None,
             error: BaseException | None,
         ) -> None:
-            """A part's finalize: its failed chunks dropped; no longer read."""
+            """A part's finalize: its failed chunks dropped; no longer read. A part
+            refused as it came up (the deadline) ends the prefix before it."""
             if results is not None:
                 failed.update(self._drop_failed(call, part, results, base))
+            else:
+                cut.append(base)
             self.store.release(part)
 
         try:
@@ -395,7 +399,7 @@ class Transfers:
         if loaded:
             nbytes = sum(c.size for c in loaded)
             self.metrics.observe_transfer("retrieve", nbytes, time.perf_counter() - t0)
-            loaded = loaded[: min(failed, default=len(loaded))]
+            loaded = loaded[: min([*failed, *cut], default=len(loaded))]
             result.loaded_chunks = len(loaded)
             result.loaded_bytes = sum(c.size for c in loaded)
         for key, side in sides[: len(loaded)]:

@@ -393,3 +393,106 @@ async def test_a_part_that_cannot_finish_after_the_parts_queued_ahead_is_refused
     await asyncio.wait_for(stream.end(), 30)
     assert ran[2:] == ["a", "b"]
     engine.shutdown()
+
+
+async def test_a_part_that_no_longer_fits_when_it_comes_up_is_not_started_nor_any_after() -> None:
+    """A part admitted at add is checked again when its first piece starts (it may have
+    waited behind other copies): one the deadline cannot fit then is finalized with
+    the refusal and ends the prefix; a later part that would fit alone does not start
+    either; the stream itself ends without error (its first part ran)."""
+    engine = TransferEngine(threads=1)
+    engine.rate.bytes_per_s = 10_000.0  # parts below 1 MiB never change the estimate
+    deadline = time.monotonic() + 30
+    gate = threading.Event()
+    ran: list[str] = []
+    finalized: dict[str, BaseException | None] = {}
+
+    def task(name: str, wait: bool = False):
+        def run() -> str:
+            if wait:
+                gate.wait(30)
+            ran.append(name)
+            return name
+
+        return run
+
+    def done(name: str):
+        return lambda r, e: finalized.__setitem__(name, e)
+
+    stream = engine.stream("t1", "m", deadline, 1000, [task("a", wait=True)], done("a"))
+    assert stream.add(200_000, [task("b")], done("b"))  # 20 s behind 0.1 s: fits now
+    assert stream.add(1000, [task("c")], done("c"))
+    engine.rate.bytes_per_s = 1000.0  # copies got slower: b needs 200 s now, c 1 s
+    gate.set()
+    await asyncio.wait_for(stream.end(), 30)  # a refused part is not an error
+    assert ran == ["a"]
+    refused = stream.refused
+    assert isinstance(refused, KVServiceError) and refused.reason == "DEADLINE_TOO_SHORT"
+    assert refused.transfer_state == NOT_STARTED
+    assert finalized == {"a": None, "b": refused, "c": refused}
+    assert not stream.add(1000, [task("d")], done("d"))  # the prefix has ended
+    assert engine.state_of("t1") == FINISHED and "t1" not in engine.inflight
+    assert engine.workers.queued() == 0
+
+    # The first part itself, refused as it comes up, fails the stream as a copy would.
+    gate.clear()
+    blocker = asyncio.ensure_future(
+        engine.run("busy", "m", 0, None, [task("busy", wait=True)], lambda r, e: None)
+    )
+    stream = engine.stream("t2", "m", time.monotonic() + 30, 1000, [task("e")], done("e"))
+    engine.rate.bytes_per_s = 10.0  # 100 s for its 1000 bytes
+    gate.set()
+    with pytest.raises(KVServiceError) as ei:
+        await asyncio.wait_for(stream.end(), 30)
+    assert ei.value.reason == "DEADLINE_TOO_SHORT" and ei.value.transfer_state == NOT_STARTED
+    await asyncio.wait_for(blocker, 30)
+    assert "e" not in ran
+    engine.shutdown()
+
+
+async def test_a_copy_is_admitted_against_the_work_queued_on_the_copy_threads() -> None:
+    """A copy that fits its deadline alone but not behind the pieces already queued on
+    the copy threads is refused at once (NOT_STARTED, nothing finalized as run);
+    once the queue has drained, the same copy is admitted. Running pieces are not
+    queued work; a copy on the loop's thread waits for none."""
+    engine = TransferEngine(threads=1)
+    engine.rate.bytes_per_s = 10_000.0
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def task(name: str, wait: bool = False):
+        def run() -> str:
+            if wait:
+                gate.wait(30)
+            ran.append(name)
+            return name
+
+        return run
+
+    busy = asyncio.ensure_future(
+        engine.run("busy", "m", 100, None, [task("busy", wait=True)], lambda r, e: None)
+    )
+    queued = asyncio.ensure_future(
+        engine.run("queued", "m", 500_000, None, [task("queued")], lambda r, e: None)
+    )
+    for _ in range(3000):  # "busy" runs (not queued work), "queued" waits: 50 s
+        if engine.workers.queued() == 500_000 and "busy" in engine.inflight:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.workers.queued() == 500_000
+    finalized: list[BaseException | None] = []
+    with pytest.raises(KVServiceError) as ei:  # 40 s alone fits 60 s; after 50 s, no
+        await engine.run(
+            "late", "m", 400_000, time.monotonic() + 60, [task("late")],
+            lambda r, e: finalized.append(e),
+        )  # fmt: skip
+    assert ei.value.reason == "DEADLINE_TOO_SHORT" and ei.value.transfer_state == NOT_STARTED
+    assert ei.value.metadata["queuedBytes"] == "500000" and finalized == [ei.value]
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(busy, queued), 30)
+    assert engine.workers.queued() == 0
+    await engine.run(
+        "late2", "m", 400_000, time.monotonic() + 60, [task("late")], lambda r, e: None
+    )
+    assert ran == ["busy", "queued", "late"]
+    engine.shutdown()

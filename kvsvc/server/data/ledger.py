@@ -94,7 +94,8 @@ class TransferLedger:
 
     def check_deadline(self, deadline: float | None, nbytes: int, ahead: int = 0) -> None:
         """Refuse (NOT_STARTED) a copy that cannot finish before ``deadline``, after
-        the ``ahead`` bytes queued before it (a stream's earlier parts) are copied."""
+        the ``ahead`` bytes queued before it (on the copy threads, a stream's earlier
+        parts) are copied."""
         if deadline is None:
             return
         remaining = deadline - time.monotonic()
@@ -112,9 +113,13 @@ class TransferLedger:
                 transfer_state=NOT_STARTED,
             )
 
-    def admit(self, transfer_id: str, deadline: float | None, nbytes: int) -> None:
+    def admit(
+        self, transfer_id: str, deadline: float | None, nbytes: int, *, queued: bool = True
+    ) -> None:
         """Refuse (NOT_STARTED) a copy that may not start: after a fatal failure, with
-        an id fenced before it came or used before, or without the time it needs."""
+        an id fenced before it came or used before, or without the time it needs
+        behind the pieces queued on the copy threads (``queued``: it joins that
+        queue; a copy run on the loop's thread does not wait for it)."""
         if self.failed is not None:
             raise self.refusal(NOT_STARTED)
         if transfer_id in self._barred:
@@ -131,7 +136,7 @@ class TransferLedger:
                 metadata={"transferId": transfer_id},
                 transfer_state=NOT_STARTED,
             )
-        self.check_deadline(deadline, nbytes)
+        self.check_deadline(deadline, nbytes, ahead=self.workers.queued() if queued else 0)
 
     def state_of(self, transfer_id: str) -> int:
         """What is known of a copy whose call stopped waiting for it: UNKNOWN while a

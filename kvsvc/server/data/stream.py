@@ -1,6 +1,6 @@
 """The transfer engine's copy of parts (``TransferEngine.stream``): it starts before
-its last part is known, and admits each part, behind those queued ahead of it,
-when the part is added."""
+its last part is known, admits each part, behind the work queued ahead of it, when
+the part is added, and checks its deadline again when the part's first piece starts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from kvsvc.errors import FINISHED, NOT_STARTED, KVServiceError
 from kvsvc.server import failpoints
 from kvsvc.server.data.ledger import Transfer, TransferLedger
+from kvsvc.server.data.workers import even_shares
 
 log = logging.getLogger("kvsvc.server.data.transfer")  # the engine's log
 T = TypeVar("T")
@@ -27,9 +28,13 @@ class Stream:
     and one ``Transfer`` in flight, which Fence waits for, from the first part
     until the last piece of the last part has ended. Parts run on the copy
     threads (queued in order) and each is admitted on the loop when added: once
-    one is refused (closed, the deadline cannot fit it after the parts queued
+    one is refused (closed, the deadline cannot fit it after the work queued
     ahead of it, an earlier part failed, a fatal failure) no later one starts, so
-    the parts that ran are a prefix."""
+    the parts that ran are a prefix. A part's deadline is checked again when its
+    first piece starts (it may have waited behind other copies): one refused then
+    is finalized with the refusal and ends the prefix alike (a later part that a
+    copy thread had already begun still ends, unreported); only the first part's
+    refusal fails the stream, as a whole copy's would."""
 
     def __init__(self, engine: TransferLedger, transfer: Transfer, deadline: float | None) -> None:
         self._engine = engine
@@ -44,6 +49,8 @@ class Stream:
         self._ahead = 0
         self._closed = False
         self._first = True  # the next piece to run is the transfer's first
+        self._parts = 0  # parts started
+        self._cut: int | None = None  # the first part refused as its first piece came
         self.error: BaseException | None = None  # the first failure: raised by end()
         self.refused: KVServiceError | None = None  # why the last part did not start
 
@@ -88,7 +95,8 @@ class Stream:
                 self.error = engine.refusal(FINISHED)
             else:
                 try:
-                    engine.check_deadline(self._deadline, nbytes, ahead=self._ahead)
+                    queued = engine.workers.queued(besides=self.transfer.transfer_id)
+                    engine.check_deadline(self._deadline, nbytes, ahead=self._ahead + queued)
                 except KVServiceError as exc:
                     self.refused = exc
                     log.info(
@@ -111,17 +119,27 @@ class Stream:
     ) -> None:
         engine, transfer = self._engine, self.transfer
         transfer.nbytes += nbytes
+        part = self._parts
+        self._parts += 1
         pending = [len(tasks)]
         left = [nbytes]  # of this part's bytes, those of pieces that have not ended
         started = [0.0]
+        refused: list[KVServiceError] = []  # this part's, when its first piece came
 
         def work(task: Callable[[], T]) -> T:
             with self._lock:
                 if engine.failed is not None:
                     raise engine.refusal(FINISHED if transfer.started_at else NOT_STARTED)
-                first, self._first = self._first, False
+                if refused:
+                    raise refused[0]
                 if not started[0]:
+                    try:
+                        self._check_start(part, nbytes)
+                    except KVServiceError as exc:
+                        refused.append(exc)
+                        raise
                     started[0] = time.monotonic()
+                first, self._first = self._first, False
                 if first:
                     transfer.started_at = started[0]
                     transfer.thread = threading.current_thread().name
@@ -143,7 +161,7 @@ class Stream:
             try:
                 finalize(results, error)
             finally:
-                if error is not None:
+                if error is not None and (part == 0 or not refused or error is not refused[0]):
                     self.error = self.error or error
                 elif started[0]:
                     engine.rate.observe(nbytes, time.monotonic() - started[0])
@@ -166,12 +184,37 @@ class Stream:
         self._running += 1
         with self._lock:
             self._ahead += nbytes
+        sizes = even_shares(nbytes, len(tasks))
         futures = [
-            engine.workers.submit(functools.partial(work, t), transfer.transfer_id) for t in tasks
+            engine.workers.submit(functools.partial(work, t), transfer.transfer_id, sizes[i])
+            for i, t in enumerate(tasks)
         ]
         self._futures += futures
         for f in futures:
             f.add_done_callback(piece_done)
+
+    def _check_start(self, part: int, nbytes: int) -> None:
+        """(Copy thread, under the lock) Part ``part``'s first piece starts: refuse it
+        (NOT_STARTED) if an earlier part was refused so, or if the deadline cannot fit
+        its bytes any more; no later part starts after a refusal here."""
+        try:
+            if self._cut is not None and part > self._cut:
+                assert self.refused is not None  # set with _cut
+                raise self.refused
+            self._engine.check_deadline(self._deadline, nbytes)
+        except KVServiceError as exc:
+            if self._cut is None or part < self._cut:
+                self._cut = part
+                self.refused = self.refused or exc
+                log.info(
+                    "transfer %s: part %d (%d bytes) not started as it came up (%s); "
+                    "the copy ends before it",
+                    self.transfer.transfer_id,
+                    part,
+                    nbytes,
+                    exc.message,
+                )
+            raise
 
     def _finish_if_over(self) -> None:
         transfer = self.transfer
@@ -211,4 +254,8 @@ class Stream:
         if self.transfer.failure is not None:
             raise self.transfer.failure
         if self.error is not None:
+            error = self.error
+            ran = self.transfer.started_at  # the first part refused, a later one ran
+            if ran and isinstance(error, KVServiceError) and error.transfer_state == NOT_STARTED:
+                error.transfer_state = FINISHED
             raise self.error

@@ -20,6 +20,7 @@ from kvsvc.errors import FINISHED, NOT_STARTED, UNKNOWN, FatalServerError, KVSer
 from kvsvc.server import failpoints
 from kvsvc.server.data.ledger import Transfer, TransferLedger
 from kvsvc.server.data.stream import Stream
+from kvsvc.server.data.workers import even_shares
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,8 +69,10 @@ class TransferEngine(TransferLedger):
     ) -> list[T]:
         """Run ``tasks`` (the pieces of one copy) in parallel on the workers.
 
-        The deadline is checked when the first piece starts (queue time counts);
-        once one has started, all run. Errors carry the right transfer_state.
+        Admitted if the deadline fits its bytes behind the pieces queued on the copy
+        threads (not for a copy run here, which waits for none), and checked again
+        when the first piece starts (queue time counts); once one has started, all run.
+        Errors carry the right transfer_state.
         ``finalize(results, error)`` runs exactly once on the event loop when every
         piece has ended (or the copy was refused), even if the caller's call was
         cancelled meanwhile: it is where the store commits or frees its memory.
@@ -83,13 +86,14 @@ class TransferEngine(TransferLedger):
         waits a little for them (GIL released) rather than idle until a copy thread
         hands the end back through the loop. ``inline_max_bytes`` 0: neither.
         """
+        share = loop_safe and self.loop_copies()
+        inline = share and nbytes <= self.inline_max_bytes
         try:
-            self.admit(transfer_id, deadline, nbytes)
+            self.admit(transfer_id, deadline, nbytes, queued=not inline)
         except BaseException as exc:
             finalize(None, exc)
             raise
-        share = loop_safe and self.loop_copies()
-        if share and nbytes <= self.inline_max_bytes:
+        if inline:
             return self._run_inline(transfer_id, nbytes, tasks, finalize)
         share = share and len(tasks) > 1 and nbytes <= LOOP_SHARE_MAX_BYTES * len(tasks)
         loop = asyncio.get_running_loop()
@@ -174,8 +178,9 @@ class TransferEngine(TransferLedger):
             own = concurrent.futures.Future()
             own.set_running_or_notify_cancel()
         futures = [own] if own is not None else []
+        sizes = even_shares(nbytes, len(tasks))
         futures += [
-            self.workers.submit(wrap(i, t), transfer_id)
+            self.workers.submit(wrap(i, t), transfer_id, sizes[i])
             for i, t in enumerate(tasks)
             if own is None or i > 0
         ]

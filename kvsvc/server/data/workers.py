@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_Item = tuple[concurrent.futures.Future[Any], Callable[[], Any], str]
+_Item = tuple[concurrent.futures.Future[Any], Callable[[], Any], str, int]
 
 
 def _name_os_thread(name: str) -> None:
@@ -26,6 +26,11 @@ def _name_os_thread(name: str) -> None:
     except (OSError, AttributeError):
         return
     prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def even_shares(nbytes: int, n: int) -> list[int]:
+    """``nbytes`` cut in ``n`` shares (a copy's bytes per task, as queued)."""
+    return [nbytes // n + (i < nbytes % n) for i in range(n)]
 
 
 class WorkerDied(BaseException):
@@ -40,6 +45,11 @@ class CopyWorkers:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         #: thread name -> (transfer id, monotonic start) of the piece it is running
         self.running: dict[str, tuple[str, float]] = {}
+        #: bytes of the pieces queued (not started), in all and per transfer id: what a
+        #: copy admitted now waits behind (TransferLedger.admit)
+        self._queued_total = 0
+        self._queued: dict[str, int] = {}
+        self._bytes_lock = threading.Lock()
         self._on_death = on_death
         self.threads = [
             threading.Thread(target=self._run, name=f"kvsvc-copy-{i}", daemon=True)
@@ -48,16 +58,37 @@ class CopyWorkers:
         for t in self.threads:
             t.start()
 
-    def submit(self, fn: Callable[[], T], transfer_id: str) -> concurrent.futures.Future[T]:
+    def submit(
+        self, fn: Callable[[], T], transfer_id: str, nbytes: int = 0
+    ) -> concurrent.futures.Future[T]:
+        """Queue a piece of ``transfer_id`` that copies ``nbytes``."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._queue.put((fut, fn, transfer_id))
+        with self._bytes_lock:
+            self._queued_total += nbytes
+            self._queued[transfer_id] = self._queued.get(transfer_id, 0) + nbytes
+        self._queue.put((fut, fn, transfer_id, nbytes))
         return fut
+
+    def queued(self, besides: str = "") -> int:
+        """Bytes of the pieces queued and not started, those of ``besides`` left out."""
+        with self._bytes_lock:
+            return self._queued_total - self._queued.get(besides, 0)
+
+    def _dequeued(self, transfer_id: str, nbytes: int) -> None:
+        with self._bytes_lock:
+            self._queued_total -= nbytes
+            left = self._queued.get(transfer_id, 0) - nbytes
+            if left > 0:
+                self._queued[transfer_id] = left
+            else:
+                self._queued.pop(transfer_id, None)
 
     def _run(self) -> None:
         me = threading.current_thread().name
         _name_os_thread(me)
         while (item := self._queue.get()) is not None:
-            fut, fn, tid = item
+            fut, fn, tid, nbytes = item
+            self._dequeued(tid, nbytes)
             if not fut.set_running_or_notify_cancel():
                 continue
             self.running[me] = (tid, time.monotonic())
@@ -83,6 +114,7 @@ class CopyWorkers:
             except queue.Empty:
                 return out
             if item is not None:
+                self._dequeued(item[2], item[3])
                 out.append(item[0])
 
     def shutdown(self) -> None:
