@@ -9,7 +9,9 @@
 #      unchanged (kvsvc is re-installed each run, in case pyproject.toml gained a
 #      dependency).
 #   2. runs pytest on tests/e2e/sglang with KVSVC_SGLANG_REQUIRED=1, which turns
-#      every skip into a failure (the main venv's pytest skips those tests).
+#      every skip into a failure (the main venv's pytest skips those tests), then
+#      the SGLang benchmark at smoke size (benchmarks/sglang.py; the main venv's
+#      bench-smoke skips it: no SGLang there).
 # Env: SGLANG_VENV (default .venv-sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +44,5 @@ fi
 
 export KVSVC_SGLANG_REQUIRED=1
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 300 tests/e2e/sglang "$@"
+"$VENV/bin/python" -m benchmarks.sglang --smoke
 echo "sglang: done in $((SECONDS - start)) s"
