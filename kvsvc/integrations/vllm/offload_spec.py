@@ -45,7 +45,8 @@ class KvsvcOffloadingSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return super().get_worker(kv_caches)
-        if self._worker is None:
+        worker: OffloadingWorker | None = getattr(self, "_worker", None)  # vLLM's slot
+        if worker is None:
             if self.config.canonical_layout:
                 raise ValueError("KvsvcOffloadingSpec on CPU: canonical_layout is not supported")
             # As TieringOffloadingSpec.create_worker: this worker's slot of each row.
@@ -57,11 +58,12 @@ class KvsvcOffloadingSpec(TieringOffloadingSpec):
                 cpu_page_size=self.cpu_page_size_per_worker,
             )
             try:
-                self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, region)  # type: ignore[assignment]
+                worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, region)
             except BaseException:
                 region.cleanup()
                 raise
-        return self._worker  # type: ignore[return-value]
+            self._worker = worker
+        return worker
 
 
 class HostCopyWorker(OffloadingWorker):
