@@ -9,11 +9,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from google.protobuf.message import Message
 
-from kvsvc.errors.classes import NO_TRANSFER, NOT_STARTED, MalformedRequest
+from kvsvc.errors.classes import NO_TRANSFER, NOT_STARTED, KVServiceError, MalformedRequest
 from kvsvc.errors.envelope import to_remote_error
 from kvsvc.v1 import error_pb2
 
@@ -27,15 +27,18 @@ class _NoHeader:
 
 class Unparsed:
     """What the server's request deserializer hands the handler for bytes that do not
-    parse. grpc would answer a deserializer exception with UNKNOWN and an ERROR
-    traceback per request (a log flood); this way the handler answers the method's
-    own response with a MALFORMED_REQUEST envelope (INVALID_ARGUMENT)."""
+    parse, or that the server refused to parse (too large: see
+    kvsvc.server.data.budget). grpc would answer a deserializer exception with
+    UNKNOWN and an ERROR traceback per request (a log flood); this way the handler
+    answers the method's own response with the error's envelope (MALFORMED_REQUEST:
+    INVALID_ARGUMENT). ``ids``: a session message's request ids, each answered."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "ids")
     header = _NoHeader()
 
-    def __init__(self, error: MalformedRequest) -> None:
+    def __init__(self, error: KVServiceError, ids: Sequence[int] = ()) -> None:
         self.error = error
+        self.ids = list(ids)
 
     def envelope(self, request_id: str, transfer: bool) -> error_pb2.RemoteError:
         """The reply's error; a transfer that did not parse never started."""

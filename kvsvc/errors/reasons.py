@@ -236,6 +236,13 @@ _CATALOGUE: tuple[Reason, ...] = (
         retryable=True,
     ),
     _reason(
+        "INLINE_BUDGET_EXHAUSTED",
+        CapacityExhausted,
+        "large requests (inline data) hold --inline-budget-bytes already: refused before "
+        "it was parsed; retry",
+        retryable=True,
+    ),
+    _reason(
         "PERMISSION_DENIED",
         PermissionDenied,
         "the caller's tenant may not do this (e.g. a namespace it is not granted)",

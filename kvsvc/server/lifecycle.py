@@ -140,8 +140,10 @@ class Server:
         self, service: ServiceDescriptor, servicer: object, server: grpc.aio.Server | None = None
     ) -> None:
         """Register ``servicer``'s methods with requests parsed by
-        :func:`request_parser`, so a message that does not parse gets a typed reply."""
+        :func:`request_parser`, so a message that does not parse gets a typed reply,
+        behind the budget of large requests (kvsvc.server.data.budget)."""
         handlers: dict[str, grpc.RpcMethodHandler] = {}
+        budget = self.servicer.budget
         for method in service.methods:
             assert not method.client_streaming or method.server_streaming, method.full_name
             make = (
@@ -153,7 +155,10 @@ class Server:
             )
             handlers[method.name] = make(
                 getattr(servicer, method.name),
-                request_deserializer=request_parser(GetMessageClass(method.input_type)),
+                request_deserializer=budget.parser(
+                    request_parser(GetMessageClass(method.input_type)),
+                    GetMessageClass(method.input_type),
+                ),
                 response_serializer=_serializer(GetMessageClass(method.output_type), method),
             )
         generic = grpc.method_handlers_generic_handler(service.full_name, handlers)

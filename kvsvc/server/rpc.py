@@ -25,7 +25,6 @@ from kvsvc.errors import (
     DeadlineExceeded,
     FatalServerError,
     KVServiceError,
-    MalformedRequest,
     Unparsed,
     UnsupportedRequest,
     to_remote_error,
@@ -139,8 +138,8 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             outcome = "result"
             token = REQUEST_ID.set(request_id)
             try:
-                if type(request) is Unparsed:  # its bytes did not parse (logged when parsed)
-                    outcome = MalformedRequest.reason
+                if type(request) is Unparsed:  # not parsed (logged, or counted, by the parser)
+                    outcome = request.error.reason
                     return response_cls(error=request.envelope(request_id, transfer))
                 if (remaining is None or bound) and (is_async or failpoints.ENABLED):
                     # No client deadline: the default one bounds every wait here. A

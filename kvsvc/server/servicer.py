@@ -24,6 +24,7 @@ from kvsvc import __version__
 from kvsvc.errors import ENVELOPE_VERSION, KVServiceError, ServiceNotServing
 from kvsvc.server.config import ConfigError, ServerConfig, shm_owner_uids, socket_gid
 from kvsvc.server.data import fdbroker
+from kvsvc.server.data.budget import InlineBudget
 from kvsvc.server.data.store import ChunkStore
 from kvsvc.server.data.transfer import TransferEngine
 from kvsvc.server.events import EventLog, StoreEvents, Watchers
@@ -109,7 +110,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.transfers.disk = self.disk
         self.lookups = Lookups(self.store, self.remote, self.mapper, self.metrics, self.start_id)
         self.lookups.disk = self.disk
-        self.sessions = Sessions(self, self.loop)
+        #: what large requests may hold at once (kvsvc.server.data.budget)
+        self.budget = InlineBudget(config.data.inline_budget_bytes, lambda: self.store.capacity)
+        self.sessions = Sessions(self, self.loop, self.budget)
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
         """The fd socket; with 'auto' and no socket dir, a place where none can be

@@ -17,6 +17,7 @@ from kvsvc.ids import new_request_id
 from kvsvc.server.auth import TENANT
 from kvsvc.server.checks import oneof
 from kvsvc.server.credentials import GRANT
+from kvsvc.server.data.budget import InlineBudget
 from kvsvc.server.eager import eager
 from kvsvc.server.rpc import LOGGER
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -32,9 +33,13 @@ class Sessions:
     """Every open Session stream of ``servicer``, whose wrapped RPCs (``rpc``'s
     ``serve``) answer the requests; stops them all at shutdown."""
 
-    def __init__(self, servicer: object, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, servicer: object, loop: asyncio.AbstractEventLoop, budget: InlineBudget | None = None
+    ) -> None:
         self.servicer = servicer
         self.loop = loop
+        #: a large message's bytes stay counted until its requests have ended
+        self.budget = budget
         self._stops: set[Callable[[], None]] = set()  # how each Session stops reading
         self._ending = False
 
@@ -115,6 +120,8 @@ class Sessions:
                     return
                 finally:
                     waiting[0] = False
+                held = self.budget is not None and self.budget.pin(message)
+                tasks: list[asyncio.Task[None]] = []
                 for i, request in enumerate(_unbatched(message), 1):
                     if grant is not None:
                         tenant = grant.check()
@@ -130,9 +137,12 @@ class Sessions:
                         task = self.loop.create_task(value, context=ctx)
                         pending.add(task)
                         task.add_done_callback(finished)
+                        tasks.append(task)
                     if i % SESSION_BATCH_TURN == 0:  # a big batch lets other calls run
                         await flush()
                         await asyncio.sleep(0)
+                if held:
+                    self._unpin_after(message, tasks)
                 await flush()
                 if self._ending or (grant is not None and grant.revoked):
                     return
@@ -155,11 +165,29 @@ class Sessions:
             for task in list(pending):
                 task.cancel()
 
+    def _unpin_after(self, message: pb.SessionRequest, tasks: list[asyncio.Task[None]]) -> None:
+        """The budget gives a message's bytes back once the requests read from it end."""
+        assert self.budget is not None
+        budget, left = self.budget, [len(tasks)]
+        if not tasks:
+            budget.unpin(message)
+            return
+
+        def ended(_: asyncio.Task[None]) -> None:
+            left[0] -= 1
+            if not left[0]:
+                budget.unpin(message)
+
+        for task in tasks:
+            task.add_done_callback(ended)
+
     async def _request(
         self, request: pb.SessionRequest | Unparsed, context: grpc.aio.ServicerContext
     ) -> pb.SessionResponse:
-        if isinstance(request, Unparsed):  # no id to answer under: id 0, which no client uses
-            return pb.SessionResponse(id=0, error=request.envelope(new_request_id(), False))
+        if isinstance(request, Unparsed):  # refused unparsed: its ids if read, else 0
+            rid = request.ids[0] if request.ids else 0  # (0: no client uses it)
+            envelope = request.envelope(new_request_id(), bool(request.ids))
+            return pb.SessionResponse(id=rid, error=envelope)
         kind = request.WhichOneof("request")
         try:
             if kind is None:
@@ -182,7 +210,9 @@ class Sessions:
 def _unbatched(message: pb.SessionRequest | Unparsed) -> list[pb.SessionRequest | Unparsed]:
     """A message's requests, itself first, in the order sent (nested ``more`` too:
     every request a client sent is answered)."""
-    if isinstance(message, Unparsed) or not message.more:
+    if isinstance(message, Unparsed):  # one answer per request id read from its bytes
+        return [Unparsed(message.error, [i]) for i in message.ids] or [message]
+    if not message.more:
         return [message]
     out: list[pb.SessionRequest | Unparsed] = []
     stack: list[pb.SessionRequest] = [message]

@@ -106,6 +106,16 @@ class DataPlaneSettings:
         "beside the copy threads; `0`: every copy on the worker threads",
         shows=format_size,
     )
+    inline_budget_bytes: int = setting(
+        512 * MiB,
+        size_or_off,
+        "bytes that requests of 1 MiB and more (inline data) may hold at once, counted from "
+        "their size before they are parsed: one beyond it is refused at once "
+        "(`INLINE_BUDGET_EXHAUSTED`, retryable; one request is always taken when none is "
+        "held), and an inline Store larger than the store is refused unparsed "
+        "(`REQUEST_EXCEEDS_CAPACITY`); `0`: no bound",
+        shows=format_size,
+    )
 
 
 @dataclass(frozen=True)

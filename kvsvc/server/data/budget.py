@@ -1,0 +1,181 @@
+"""The memory that large requests (inline bytes) may hold at once. A request's bytes
+are counted from its raw size before it is parsed (parsing copies them again), so
+that one that can never fit the store, or one that would take the server past
+``--inline-budget-bytes``, is refused at once (REQUEST_EXCEEDS_CAPACITY,
+INLINE_BUDGET_EXHAUSTED: RESOURCE_EXHAUSTED) without its bytes being parsed or
+copied into the store. Eight clients each sending 128 MiB inline then cost the
+server one budget of memory, not eight messages parsed and copied around."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+
+from kvsvc.errors import CapacityExhausted, KVServiceError, Unparsed
+from kvsvc.framing import BATCH_BYTES
+from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+#: Requests from this size on are counted (a session batch stays under it: a bigger
+#: message is one request, inline bytes); smaller ones cost too little to count.
+COUNTED_MIN_BYTES = BATCH_BYTES
+#: What a Store request carries beside its chunks' bytes and keys (header, namespace,
+#: framing) at most, for the "can never fit" test on its raw size: each chunk's
+#: framing (~20 bytes) is less than the store's own overhead per chunk (512 bytes).
+STORE_FRAMING_BYTES = 8192
+
+# SessionRequest's field numbers (proto/kvsvc/v1/kv_cache_service.proto)
+_ID, _STORE, _MORE = 1, 4, 7
+
+Parser = Callable[[bytes], Any]
+
+
+@dataclass
+class _Held:
+    message: Message
+    nbytes: int
+    pins: int = 0  # a session frame whose requests still run (``pin``/``unpin``)
+
+
+class InlineBudget:
+    """Bytes of large requests the server holds (parsed messages and their copies).
+    A unary request is held while its message lives (the handler keeps it until it
+    answers); a session frame while its requests run (``pin``, ``unpin``)."""
+
+    def __init__(self, limit_bytes: int, capacity: Callable[[], int]) -> None:
+        self.limit = limit_bytes
+        self._capacity = capacity
+        self.held_bytes = 0
+        self.refused = 0
+        self._held: dict[int, _Held] = {}
+        self._lock = threading.Lock()
+
+    def parser(self, parse: Parser, message_cls: type[Message]) -> Parser:
+        """``parse`` (kvsvc.errors.request_parser) behind the budget's gate."""
+        if not self.limit:
+            return parse
+        store, session = message_cls is pb.StoreRequest, message_cls is pb.SessionRequest
+
+        def gated(raw: bytes) -> Any:
+            n = len(raw)
+            if n < COUNTED_MIN_BYTES:
+                return parse(raw)
+            refusal = self._refusal(raw, store, session)
+            if refusal is not None:
+                self.refused += 1
+                ids = session_ids(raw)[0] if session else []
+                return Unparsed(refusal, ids)
+            message = parse(raw)
+            with self._lock:
+                if isinstance(message, Unparsed):
+                    self.held_bytes -= n
+                else:
+                    self._held[id(message)] = _Held(message, n)
+            return message
+
+        return gated
+
+    def _refusal(self, raw: bytes, store: bool, session: bool) -> KVServiceError | None:
+        """Why ``raw`` is refused before it is parsed, or None (its bytes reserved)."""
+        n = len(raw)
+        stored = n if store else session_ids(raw)[1] if session else 0
+        capacity = self._capacity()
+        if stored > capacity + STORE_FRAMING_BYTES:
+            return CapacityExhausted(
+                f"an inline Store of {stored} bytes is larger than the store's capacity of "
+                f"{capacity}: it can never fit (refused before it was parsed)",
+                reason="REQUEST_EXCEEDS_CAPACITY",
+                metadata={"requestBytes": stored, "capacityBytes": capacity},
+                retryable=False,
+            )
+        with self._lock:
+            self._sweep()
+            if self.held_bytes + n > self.limit and self.held_bytes:
+                return CapacityExhausted(
+                    f"the server holds {self.held_bytes} bytes of large requests; this one of "
+                    f"{n} would pass --inline-budget-bytes ({self.limit}): retry later",
+                    reason="INLINE_BUDGET_EXHAUSTED",
+                    metadata={"requestBytes": n, "heldBytes": self.held_bytes},
+                )
+            self.held_bytes += n
+        return None
+
+    def _sweep(self) -> None:
+        """(Under the lock) Give back the bytes of unpinned messages nobody else holds
+        any more (their handler has answered; or a refused call never ran one)."""
+        gone = [
+            key
+            for key, held in self._held.items()
+            if not held.pins and sys.getrefcount(held.message) <= 2  # the table's and the arg's
+        ]
+        for key in gone:
+            self.held_bytes -= self._held.pop(key).nbytes
+
+    def pin(self, message: object) -> bool:
+        """A session frame's requests start: its bytes stay held until ``unpin``
+        (its requests hold parts of it, not the frame). False: not counted."""
+        with self._lock:
+            held = self._held.get(id(message))
+            if held is None or held.message is not message:
+                return False
+            held.pins += 1
+            return True
+
+    def unpin(self, message: object) -> None:
+        """The frame's requests have all ended: its bytes are given back."""
+        with self._lock:
+            held = self._held.get(id(message))
+            if held is not None and held.message is message:
+                held.pins -= 1
+                if not held.pins:
+                    self.held_bytes -= self._held.pop(id(message)).nbytes
+
+
+def session_ids(raw: bytes) -> tuple[list[int], int]:
+    """(request ids, bytes of its largest Store) of a SessionRequest's wire bytes,
+    its ``more`` batch included, read without parsing the requests (only field tags
+    and lengths are read); what does not read as one gives what was read."""
+    ids: list[int] = []
+    largest = 0
+    stack = [(0, len(raw))]
+    view = memoryview(raw)
+    while stack:
+        pos, end = stack.pop()
+        try:
+            while pos < end:
+                key, pos = _varint(view, pos)
+                field, wire = key >> 3, key & 7
+                if wire == 0:
+                    value, pos = _varint(view, pos)
+                    if field == _ID:
+                        ids.append(value)
+                elif wire == 2:
+                    length, pos = _varint(view, pos)
+                    if field == _STORE:
+                        largest = max(largest, length)
+                    elif field == _MORE:
+                        stack.append((pos, min(pos + length, end)))
+                    pos += length
+                elif wire in (1, 5):
+                    pos += 8 if wire == 1 else 4
+                else:
+                    break
+        except IndexError:
+            continue
+    return ids, largest
+
+
+def _varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    for _ in range(10):
+        b = view[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+    raise IndexError("varint longer than 10 bytes")
