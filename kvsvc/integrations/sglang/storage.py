@@ -20,26 +20,37 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import sglang
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
+
+TESTED_VERSIONS = ("0.5",)
+SGLANG_VERSION = ".".join(str(sglang.__version__).split(".")[:2])
+if SGLANG_VERSION not in TESTED_VERSIONS:
+    raise ImportError(
+        f"kvsvc.integrations.sglang supports SGLang {', '.join(v + '.x' for v in TESTED_VERSIONS)};"
+        f" this is SGLang {sglang.__version__}, whose HiCache storage API it was not tested with"
+    )
+
+# After the version check, so another SGLang fails with the line above.
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     STORAGE_BATCH_SIZE,
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
 
-from kvsvc.client import KVCacheClient, MappingHandle
-from kvsvc.errors import BoundedLog, KVServiceError, Miss
-from kvsvc.integrations.common import Link
-from kvsvc.integrations.sglang.config import SglangStorageConfig
-from kvsvc.integrations.sglang.pages import (
+from kvsvc.client import KVCacheClient, MappingHandle  # noqa: E402
+from kvsvc.errors import BoundedLog, KVServiceError, Miss  # noqa: E402
+from kvsvc.integrations.common import Link  # noqa: E402
+from kvsvc.integrations.sglang.config import SglangStorageConfig  # noqa: E402
+from kvsvc.integrations.sglang.pages import (  # noqa: E402
     LayoutRefused,
     Staging,
     check_against_sglang,
     make_staging,
     page_view,
 )
-from kvsvc.v1 import kv_cache_service_pb2 as pb
+from kvsvc.v1 import kv_cache_service_pb2 as pb  # noqa: E402
 
 log = logging.getLogger("kvsvc.sglang")
 
