@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvsvc.server.data.store import ChunkKey
@@ -31,6 +32,9 @@ log = logging.getLogger("kvsvc.server.tiers.disk")
 
 #: at most this many quarantined files are kept (the oldest beyond are removed)
 QUARANTINE_KEEP = 64
+#: threads reading headers at start: a cold disk answers several reads at once, and
+#: open/pread/close release the GIL (docs/benchmarks.md: the rebuild of 100k chunks)
+REBUILD_THREADS = 8
 
 
 @dataclass(slots=True)
@@ -43,6 +47,10 @@ class Entry:
     owner: str = ""
     #: which bytes (format.fingerprint of the CRCs): a Store of other bytes replaces it
     version: int = 0
+
+
+#: a file's (mtime, chunk, entry)
+Found = tuple[int, ChunkKey, Entry]
 
 
 @dataclass
@@ -77,6 +85,17 @@ class Index:
         self.used_bytes += entry.file_bytes
         self.used_by[entry.owner] = self.used_by.get(entry.owner, 0) + entry.file_bytes
         return True
+
+    @classmethod
+    def of(cls, items: list[tuple[ChunkKey, Entry]]) -> Index:
+        """An index of distinct chunks, least recently used first (built in bulk)."""
+        index = cls(OrderedDict(items))
+        keys, used_by = index.keys, index.used_by
+        for (namespace, key, _), entry in items:
+            keys[(namespace, key)] = keys.get((namespace, key), 0) + 1
+            used_by[entry.owner] = used_by.get(entry.owner, 0) + entry.file_bytes
+        index.used_bytes = sum(used_by.values())
+        return index
 
     def touch(self, key: ChunkKey) -> None:
         if key in self.entries:
@@ -132,34 +151,41 @@ def rebuild(root: str) -> Rebuilt:
                 temporaries += 1
             except FileNotFoundError:
                 pass
-    found: list[tuple[int, ChunkKey, Entry]] = []
-    refused: dict[str, int] = {}
     with os.scandir(root) as top:
         subdirs = sorted(e.name for e in top if e.is_dir() and len(e.name) == 2)
-    for sub in subdirs:
-        with os.scandir(os.path.join(root, sub)) as it:
-            names = [e.name for e in it if e.name.endswith(SUFFIX)]
-        for name in names:
-            rel = f"{sub}/{name}"
-            try:
-                item = _read_entry(root, rel)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            except Refused as exc:
-                _refuse(root, rel, exc.kind, str(exc), refused)
-                continue
-            except OSError as exc:
-                _refuse(root, rel, "io_error", str(exc), refused)
-                continue
-            found.append(item)
-    found.sort(key=lambda t: t[0])
-    index = Index()
-    for _, key, entry in found:
-        index.add(key, entry)
+    with ThreadPoolExecutor(REBUILD_THREADS, thread_name_prefix="kvsvc-disk-index") as pool:
+        parts = list(pool.map(lambda sub: _read_dir(root, sub), subdirs))
+    refused: dict[str, int] = {}
+    found: list[Found] = []
+    for items, bad in parts:
+        found += items
+        for rel, kind, detail in bad:  # quarantined here, one thread: logged once per kind
+            _refuse(root, rel, kind, detail, refused)
+    found.sort(key=lambda t: t[0])  # distinct chunks: a file is named by its chunk
+    index = Index.of([(key, entry) for _, key, entry in found])
     return Rebuilt(index, refused, temporaries, time.monotonic() - t0)
 
 
-def _read_entry(root: str, rel: str) -> tuple[int, ChunkKey, Entry]:
+def _read_dir(root: str, sub: str) -> tuple[list[Found], list[tuple[str, str, str]]]:
+    """The entries of one subdirectory's files, and those refused: (name, kind, why)."""
+    found: list[Found] = []
+    bad: list[tuple[str, str, str]] = []
+    with os.scandir(os.path.join(root, sub)) as it:
+        names = [e.name for e in it if e.name.endswith(SUFFIX)]
+    for name in names:
+        rel = f"{sub}/{name}"
+        try:
+            found.append(_read_entry(root, rel))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except Refused as exc:
+            bad.append((rel, exc.kind, str(exc)))
+        except OSError as exc:
+            bad.append((rel, "io_error", str(exc)))
+    return found, bad
+
+
+def _read_entry(root: str, rel: str) -> Found:
     fd, st = open_file(os.path.join(root, rel))
     try:
         head = parse_header(os.pread(fd, PAGE, 0) if st.st_size > 0 else b"")
