@@ -155,3 +155,38 @@ def test_a_secured_server_with_token_tls_and_fd_socket(secured) -> None:
     finally:
         for e in (a, b, c):
             e.close()
+
+
+def test_a_load_past_its_deadline_is_held_until_a_fence_proves_it_ended(tmp_path) -> None:
+    """kvsvc slow: every copy waits 3 s before its bytes move, and loads have 1 s. The
+    load's outcome is unknown at its deadline (the server may still write vLLM's slots),
+    so the tier answers it only once a Fence proves the copy ended, then as failed;
+    vLLM's calls return at once all along."""
+    server = KvsvcProcess(free_port(), "transfer.before_copy=sleep(3000)", str(tmp_path))
+    a = Engine(target=server.address, load_timeout_s=1.0)
+    try:
+        keys = new_keys(2)
+        a.offload(keys, seed=8)
+        a.settle(timeout=60)  # each Store waits its 3 s, within its 10 s
+        assert a.tier.counters["stored_chunks"] == 2, a.tier.counters
+        job = TransferJob(9, keys, np.array([30, 31], np.int32), True, ReqContext("y"))
+        t0 = time.monotonic()
+        a.tier.submit_load(job)
+        slowest = 0.0
+        results: list = []
+        while not results:
+            assert time.monotonic() - t0 < 60, a.tier.counters
+            c0 = time.perf_counter()
+            results = list(a.tier.get_finished_jobs())
+            a.tier.lookup(keys[0], ReqContext("y"))
+            slowest = max(slowest, time.perf_counter() - c0)
+            time.sleep(0.01)
+        held = time.monotonic() - t0
+        (r,) = results
+        assert r.job_id == 9 and not r.success and not r.successful_keys
+        assert held >= 2.5, f"answered after {held:.2f} s, before the copy could have ended"
+        assert slowest < 0.5, f"a scheduler call took {slowest:.3f} s"
+        print(f"unproven load answered after {held:.2f} s; slowest call {slowest * 1e3:.2f} ms")
+    finally:
+        a.close()
+        server.kill()
