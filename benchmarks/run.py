@@ -14,6 +14,8 @@ Sections (each runs in this process tree; servers are child processes):
 6. GPU: pinned H2D/D2H through the service vs copy_ (benchmarks/gpu.py; skipped
    without a GPU);
 7. events: the WatchEvents stream and the presence index (benchmarks/events.py);
+8. disk: the disk tier's Store-to-disk and load-from-disk vs dd on the same
+   filesystem, and the warm restart's index rebuild (benchmarks/disk_tier.py);
 then, for each goal missed, a py-spy profile of the server under that load
 (benchmarks/profile_server.py; skipped, with the reason printed, where py-spy
 cannot attach). Writes results.md, results.json and PNG plots into --out; exits
@@ -40,10 +42,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks import control_plane, data_plane, events, gpu, lookup_cost, memory, profile_server
+from benchmarks import (
+    control_plane,
+    data_plane,
+    disk_tier,
+    events,
+    gpu,
+    lookup_cost,
+    memory,
+    profile_server,
+)
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
 
-SECTIONS = ("data", "control", "faults", "memory", "gpu", "events", "profile")
+SECTIONS = ("data", "control", "faults", "memory", "gpu", "events", "disk", "profile")
 WELL_UNDER = 0.5  # "p99 well under LMCache's gRPC transport": at most half of it
 
 
@@ -379,6 +390,13 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
             md += [f"### {name}", "", md_table(["figure", "value"], rows), ""]
         if "events" in err:
             md += [f"Failed: {err['events']}", ""]
+    if "disk" in results:
+        d = results["disk"]
+        md += ["## 8. Disk tier (benchmarks/disk_tier.py)", "", d["filesystem"], "",
+               disk_tier.tables(d["throughput"], d["rebuild"]), ""]  # fmt: skip
+        goals += disk_tier.goals(d)
+    elif "disk" in err:
+        md += ["## 8. Disk tier (benchmarks/disk_tier.py)", "", f"Failed: {err['disk']}", ""]
     # goals and profiles
     md += ["## Goals", "", md_table(["goal", "verdict", "detail"], goals), ""]
     if results.get("profiles_skipped"):
@@ -438,6 +456,7 @@ def main() -> int:
         + (len(memory.capacities(quick, smoke)) + 1 if "memory" in only else 0)
         + (gpu_cases if "gpu" in only else 0)
         + (len(events.SECTIONS) if "events" in only else 0)
+        + (1 if "disk" in only else 0)
     )
     progress = Progress(steps, "kvsvc bench")
     progress.log(f"machine: {machine_line(info)}")
@@ -490,6 +509,12 @@ def main() -> int:
             finally:
                 progress.step(f"events {name}")
 
+    def do_disk() -> None:
+        try:
+            results["disk"] = disk_tier.run(size_of(args))
+        finally:
+            progress.step("disk tier")
+
     def do_profile() -> None:
         ok, why = profile_server.can_profile()
         if not ok:
@@ -529,6 +554,7 @@ def main() -> int:
     section("memory", do_memory)
     section("gpu", do_gpu)
     section("events", do_events)
+    section("disk", do_disk)
     section("profile", do_profile)
     progress.close()
 
