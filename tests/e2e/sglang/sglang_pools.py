@@ -13,12 +13,19 @@ from sglang.srt.mem_cache.device_pool_info import (
     MHABufferInfo,
     MLABufferInfo,
 )
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 REFUSED_LAYOUTS = ("page_unified",)  # SGLang's own get_page_buffer_meta refuses it
+
+# SGLang refuses a host pool unless the machine's free memory, less a reserve of
+# several GB, covers it; a busy 2-core CI machine often has less. The pools here are
+# small, so they are booked against a budget of their own (SGLang's own scope for
+# booking pools against one snapshot) instead of against what other jobs left free.
+BUDGET_BYTES = 8 << 30
 
 
 def mha_pool(
@@ -46,18 +53,19 @@ def mha_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    pool = MHATokenToKVPoolHost(
-        info,
-        ratio,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=layers,
-    )
+    with host_memory_budget_scope(BUDGET_BYTES):
+        pool = MHATokenToKVPoolHost(
+            info,
+            ratio,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_tokens,
+            start_layer=0,
+            end_layer=layers,
+        )
     pool._device_tensors = (k, v)  # SGLang's pool keeps pointers into them
     return pool
 
@@ -85,19 +93,20 @@ def mla_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    pool = MLATokenToKVPoolHost(
-        info,
-        ratio,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_tokens,
-        start_layer=0,
-        end_layer=layers,
-        target_layer_num=layers,
-    )
+    with host_memory_budget_scope(BUDGET_BYTES):
+        pool = MLATokenToKVPoolHost(
+            info,
+            ratio,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_tokens,
+            start_layer=0,
+            end_layer=layers,
+            target_layer_num=layers,
+        )
     pool._device_tensors = bufs
     return pool
 
