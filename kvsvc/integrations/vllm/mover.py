@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -310,13 +311,16 @@ class Mover:
         self.stop.set()
         for w in self.wake.values():
             w.set()
-        for t in self.threads:
-            t.join(timeout=self.cfg.store_timeout_s)
+        for t in self.threads:  # a call in flight ends by its deadline or with the client
+            t.join(timeout=1.0)
         with self.lock:
             for q in self.queues.values():
                 while q:
                     self._answer(q.popleft(), 0)
         self.link.close()
+        if self.fd >= 0:
+            os.close(self.fd)  # the server holds its own while it maps the file
+            self.fd = -1
 
 
 __all__ = ["MAX_QUEUED", "Job", "Mover", "Outcome"]
