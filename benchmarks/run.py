@@ -16,6 +16,9 @@ Sections (each runs in this process tree; servers are child processes):
 7. events: the WatchEvents stream and the presence index (benchmarks/events.py);
 8. disk: the disk tier's Store-to-disk and load-from-disk vs dd on the same
    filesystem, and the warm restart's index rebuild (benchmarks/disk_tier.py);
+9. SGLang: kvsvc as SGLang's HiCache storage vs SGLang's HiCacheFile and a copy
+   (benchmarks/sglang.py; skipped, with the reason, where SGLang does not import:
+   ``make sglang`` runs it in .venv-sglang);
 then, for each goal missed, a py-spy profile of the server under that load
 (benchmarks/profile_server.py; skipped, with the reason printed, where py-spy
 cannot attach). Writes results.md, results.json and PNG plots into --out; exits
@@ -52,9 +55,10 @@ from benchmarks import (
     memory,
     profile_server,
 )
+from benchmarks import sglang as sglang_bench
 from benchmarks.common import REPO, Progress, machine_info, machine_line, md_table
 
-SECTIONS = ("data", "control", "faults", "memory", "gpu", "events", "disk", "profile")
+SECTIONS = ("data", "control", "faults", "memory", "gpu", "events", "disk", "sglang", "profile")
 WELL_UNDER = 0.5  # "p99 well under LMCache's gRPC transport": at most half of it
 
 
@@ -397,6 +401,16 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
         goals += disk_tier.goals(d)
     elif "disk" in err:
         md += ["## 8. Disk tier (benchmarks/disk_tier.py)", "", f"Failed: {err['disk']}", ""]
+    if "sglang" in results or "sglang" in err:
+        md += ["## 9. SGLang HiCache storage (benchmarks/sglang.py)", ""]
+        sg = results.get("sglang", {})
+        if "skipped" in sg:
+            md += [f"Skipped: {sg['skipped']}", ""]
+        elif sg:
+            md += [sglang_bench.table(sg), ""]
+            goals += sglang_bench.goals(sg)
+        if "sglang" in err:
+            md += [f"Failed: {err['sglang']}", ""]
     # goals and profiles
     md += ["## Goals", "", md_table(["goal", "verdict", "detail"], goals), ""]
     if results.get("profiles_skipped"):
@@ -457,6 +471,7 @@ def main() -> int:
         + (gpu_cases if "gpu" in only else 0)
         + (len(events.SECTIONS) if "events" in only else 0)
         + (1 if "disk" in only else 0)
+        + (1 if "sglang" in only else 0)
     )
     progress = Progress(steps, "kvsvc bench")
     progress.log(f"machine: {machine_line(info)}")
@@ -515,6 +530,18 @@ def main() -> int:
         finally:
             progress.step("disk tier")
 
+    def do_sglang() -> None:
+        try:
+            why = sglang_bench.unavailable()
+            if why:
+                progress.log(f"sglang: skipped: {why}")
+                results["sglang"] = {"skipped": why}
+                return
+            size = sglang_bench.SMOKE if smoke else sglang_bench.FULL
+            results["sglang"] = sglang_bench.measure(size, 2 if smoke else 3 if quick else 5)
+        finally:
+            progress.step("sglang")
+
     def do_profile() -> None:
         ok, why = profile_server.can_profile()
         if not ok:
@@ -555,6 +582,7 @@ def main() -> int:
     section("gpu", do_gpu)
     section("events", do_events)
     section("disk", do_disk)
+    section("sglang", do_sglang)
     section("profile", do_profile)
     progress.close()
 
