@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,10 @@ from vllm_helpers import free_port
 from kvsvc.integrations.vllm.tier import KvsvcTier
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[KvsvcProcess]:
-    proc = KvsvcProcess(free_port(), "", str(tmp_path))
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvsvcProcess]:
+    """One server for the tests that leave it running (each uses fresh keys)."""
+    proc = KvsvcProcess(free_port(), "", str(tmp_path_factory.mktemp("tier")))
     yield proc
     proc.kill()
 
