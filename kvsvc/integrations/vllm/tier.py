@@ -81,6 +81,8 @@ class KvsvcTier(SecondaryTierManager):
         self.failed: list[JobResult] = []  # answered at once, on the scheduler's thread
         self.storing: dict[bytes, float] = {}  # key -> when its store was queued
         self.hints = Hints(self.cfg, self.namespace)
+        if not self.cfg.presence:  # lookups never make an RPC on vLLM's step
+            log.warning("kvsvc tier: presence is off, so every lookup is a miss")
         self.mover: Mover | None = None
         try:
             fd = offload_fd(offloading_spec, primary_kv_view)
