@@ -8,8 +8,10 @@ server one budget of memory, not eight messages parsed and copied around."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,13 @@ COUNTED_MIN_BYTES = BATCH_BYTES
 #: framing (~20 bytes) is less than the store's own overhead per chunk (512 bytes).
 STORE_FRAMING_BYTES = 8192
 
+#: A message still counted after this long is given back (and logged): a request
+#: ends within its deadline, so one held longer is a reference kept by mistake, and
+#: must not shrink the budget for good.
+HELD_MAX_S = 600.0
+
+log = logging.getLogger(__name__)
+
 # SessionRequest's field numbers (proto/kvsvc/v1/kv_cache_service.proto)
 _ID, _STORE, _MORE = 1, 4, 7
 
@@ -38,6 +47,7 @@ Parser = Callable[[bytes], Any]
 class _Held:
     message: Message
     nbytes: int
+    since: float  # monotonic time it was counted
     pins: int = 0  # a session frame whose requests still run (``pin``/``unpin``)
 
 
@@ -74,7 +84,7 @@ class InlineBudget:
                 if isinstance(message, Unparsed):
                     self.held_bytes -= n
                 else:
-                    self._held[id(message)] = _Held(message, n)
+                    self._held[id(message)] = _Held(message, n, time.monotonic())
             return message
 
         return gated
@@ -106,14 +116,24 @@ class InlineBudget:
 
     def _sweep(self) -> None:
         """(Under the lock) Give back the bytes of unpinned messages nobody else holds
-        any more (their handler has answered; or a refused call never ran one)."""
+        any more (their handler has answered; or a refused call never ran one), and of
+        any counted for longer than HELD_MAX_S."""
+        old = time.monotonic() - HELD_MAX_S
         gone = [
             key
             for key, held in self._held.items()
-            if not held.pins and sys.getrefcount(held.message) <= 2  # the table's and the arg's
+            if held.since < old
+            or (not held.pins and sys.getrefcount(held.message) <= 2)  # the table's, the arg's
         ]
         for key in gone:
-            self.held_bytes -= self._held.pop(key).nbytes
+            held = self._held.pop(key)
+            self.held_bytes -= held.nbytes
+            if held.since < old:
+                log.warning(
+                    "a request of %d bytes was still counted after %.0f s: given back",
+                    held.nbytes,
+                    HELD_MAX_S,
+                )
 
     def pin(self, message: object) -> bool:
         """A session frame's requests start: its bytes stay held until ``unpin``
