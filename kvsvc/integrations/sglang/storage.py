@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 
 from kvsvc.client import KVCacheClient, MappingHandle  # noqa: E402
-from kvsvc.errors import BoundedLog, KVServiceError, Miss  # noqa: E402
+from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss  # noqa: E402
 from kvsvc.integrations.common import Link  # noqa: E402
 from kvsvc.integrations.sglang.config import SglangStorageConfig  # noqa: E402
 from kvsvc.integrations.sglang.pages import (  # noqa: E402
@@ -295,6 +295,11 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             return hits
         try:
             n = client.lookup(ks, namespace=self.namespace, timeout=self.cfg.lookup_timeout_s)
+        except DeadlineExceeded as exc:
+            # Slow, not gone: this query is a miss; the channel and mapping stay.
+            self._count("exists_timeouts")
+            self.warn.warning("kvsvc Lookup slower than lookup_timeout_s (%s): 0 hits", exc)
+            return 0
         except KVServiceError as exc:
             self._failed("lookup", exc)
             return 0

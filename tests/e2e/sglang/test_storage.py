@@ -69,6 +69,9 @@ def storage_config(
             "interface_v1": 1,
             "target": target,
             "reconnect_interval_s": 0.3,
+            # Hit counts are asserted: a Lookup on a busy 2-core machine may take
+            # longer than the 50 ms default (which would be a miss, by design).
+            "lookup_timeout_s": 5.0,
             **extra,
         },
     )
@@ -255,7 +258,7 @@ def test_kill_stop_restart_never_raise_never_wrong(tmp_path: Path) -> None:
             ):
                 t0 = time.monotonic()
                 r = call()
-                assert time.monotonic() - t0 < 2.0 + 10
+                assert time.monotonic() - t0 < 5.0 + 10  # the call's deadline + margin
                 assert r in (0, [False] * 5) or isinstance(r, list)
                 if isinstance(r, list):
                     _no_wrong_bytes(dst, r, src, sp, dp)
@@ -291,7 +294,11 @@ def test_kill_stop_restart_never_raise_never_wrong(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no hits after the restart"
             time.sleep(0.2)
         _no_wrong_bytes(dst, got, src, sp, dp)
-        assert b.batch_exists(ks) == 5
+        # the presence index (a hint, following the events stream) catches up
+        deadline = time.monotonic() + 10
+        while (n := b.batch_exists(ks)) != 5:
+            assert isinstance(n, int) and time.monotonic() < deadline, n
+            time.sleep(0.05)
     finally:
         a.close()
         b.close()
