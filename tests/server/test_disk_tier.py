@@ -26,6 +26,7 @@ from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_heal
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
 from kvsvc.server.tiers.disk import tier as disk_tier
+from kvsvc.server.tiers.disk import writer as disk_writer
 from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, TMP_DIR, file_name
 from kvsvc.server.tiers.disk.index import Rebuilt, rebuild
 
@@ -458,6 +459,53 @@ def test_a_key_stored_anew_with_other_bytes_is_never_served_its_old_bytes(
     wait_health(srv.address, SERVING)
     with KVCacheClient(srv.address) as c:
         assert c.get(NS, key) == new
+
+
+def takes_o_direct(path: Path) -> bool:
+    probe = path / "o_direct_probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()
+    return True
+
+
+def test_large_chunks_are_written_with_o_direct_and_come_back_bit_exact(
+    config, tmp_path: Path
+) -> None:
+    """Chunks of at least DIRECT_MIN bytes go to disk with O_DIRECT where the
+    filesystem takes it (a whole number of pages, and one with a partial last page:
+    padded, then cut): each file is its header page and its bytes, and after a
+    restart every chunk is its bytes."""
+    root = tmp_path / "disk"
+    root.mkdir()
+    sizes = [disk_writer.DIRECT_MIN, disk_writer.DIRECT_MIN + 1234, 256 << 10]
+    chunks = [(b"big-%d" % i, os.urandom(n)) for i, n in enumerate(sizes)]
+    cfg = config.replace(store_bytes=64 * MiB, disk_dir=str(root))
+    st = ServerThread(cfg)
+    try:
+        disk = st.server.servicer.disk
+        assert disk is not None
+        with KVCacheClient(st.address) as c:
+            wait_health(st.address, SERVING)
+            put_one_by_one(c, chunks, root)
+        direct = takes_o_direct(root)
+        assert disk.writer.direct == direct, "O_DIRECT used where refused, or not"
+        assert disk.writer.direct_writes == (2 if direct else 0)  # the two large ones
+    finally:
+        st.stop()
+    for key, data in chunks:
+        assert (root / file_name(NS, INLINE, key)).stat().st_size == PAGE + len(data)
+    st = ServerThread(cfg)
+    try:
+        with KVCacheClient(st.address) as c:
+            wait_health(st.address, SERVING)
+            check_all_back(c, chunks)
+    finally:
+        st.stop()
 
 
 def test_a_warm_restart_reports_the_disk_contents_in_the_events_snapshot(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import fcntl
 import logging
 import os
 from collections.abc import Callable
@@ -37,6 +38,9 @@ log = logging.getLogger("kvsvc.server.tiers.disk")
 READERS = 2
 #: read in pieces of at most this many bytes
 READ_PIECE = 8 << 20
+#: chunks of at least this many bytes are read with O_DIRECT where the filesystem
+#: takes it: from the device straight into the store, no page-cache copy
+DIRECT_MIN = 4 << 20
 
 #: a load's outcome per chunk: its digests, or why it failed ("gone": deleted)
 Outcome = tuple[list[int], None] | tuple[None, str]
@@ -119,8 +123,17 @@ class Reader:
                 head = parse_header(os.pread(fd, head.data_offset, 0))
             if (head.namespace, head.key, head.layout) != chunk.key or head.size != chunk.size:
                 raise Refused(OTHER_CHUNK, "the header names another chunk")
-            view = self.store.buffer(chunk).view
-            _read_all(fd, view, head.data_offset)
+            buf = self.store.buffer(chunk)
+            view = buf.view
+            whole = len(view) // PAGE * PAGE if buf.addr % PAGE == 0 else 0
+            if len(view) >= DIRECT_MIN and whole and _direct(fd, on=True):
+                try:
+                    _read_all(fd, view[:whole], head.data_offset)
+                finally:
+                    _direct(fd, on=False)
+                _read_all(fd, view[whole:], head.data_offset + whole)  # the partial page
+            else:
+                _read_all(fd, view, head.data_offset)
             verify(view, head.digests)
             return list(head.digests), None
         except Refused as exc:
@@ -129,6 +142,18 @@ class Reader:
             return None, IO_ERROR
         finally:
             os.close(fd)
+
+
+def _direct(fd: int, *, on: bool) -> bool:
+    """Turn O_DIRECT on or off for ``fd``; False where the filesystem refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 def _read_all(fd: int, view: memoryview, offset: int) -> None:
