@@ -2,7 +2,8 @@
 /proc/PID/status) against the store capacity, at start, after filling the store
 through shared memory, and after eviction churn (twice the capacity more);
 then RSS drift over a bounded soak of mixed traffic (2 minutes by default,
-20 s with --quick).
+20 s with --quick); then big inline Stores refused while a caller asks Lookups
+(benchmarks/inline_flood.py: its Lookup latency and the server's peak RSS).
 
 The store touches its memory up front (a private anonymous mapping with huge
 pages, counted in RssAnon), so RSS is about the capacity from the start; what
@@ -26,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from benchmarks import inline_flood
 from benchmarks.common import KvsvcServer, NullProgress, Progress, md_table, proc_status
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
@@ -249,7 +251,9 @@ def run(*, quick: bool, smoke: bool = False, soak_seconds: float | None = None,
         progress.step("memory soak")
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
-    return {"fills": fills, "soak": s}
+    clients, mib, store, rounds = (2, 8, 4, 1) if smoke else (8, 128, 64, 1 if quick else 3)
+    flood = inline_flood.measure(clients=clients, message_mib=mib, store_mib=store, rounds=rounds)
+    return {"fills": fills, "soak": s, "flood": flood}
 
 
 def tables(result: dict[str, Any]) -> str:
@@ -278,6 +282,8 @@ def tables(result: dict[str, Any]) -> str:
                    f"{s['drift'] / MiB:+.1f}", f"{s['slope_mib_per_min']:+.2f}")]),
         "",
         f"Soak operations: {counts}.",
+        "",
+        inline_flood.table(result["flood"]),
     ])  # fmt: skip
 
 
