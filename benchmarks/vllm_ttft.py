@@ -12,7 +12,10 @@ KvsvcConnector against a `kvsvc serve` started here. For each length and repetit
 the connector engine sees a fresh prompt twice: the first is a miss (computed, then
 stored), the second a hit (loaded). TTFT is the wall time of ``generate`` with
 ``max_tokens=1`` (offline: prefill plus one sampled token). Prints a markdown table
-and writes JSON to bench-results/vllm_ttft.json.
+and writes JSON to bench-results/vllm_ttft.json. ``--variants recompute,kvsvc,tier`` adds
+vLLM's own OffloadingConnector with KvsvcTier below its CPU tier (KvsvcOffloadingSpec):
+there a prompt of the longest length runs between the miss and the hit and evicts the
+first from the CPU tier (sized to hold one such prompt), so the hit is loaded from kvsvc.
 """
 
 from __future__ import annotations
@@ -45,7 +48,13 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "kvsvc-down": ("127.0.0.1:9", _SMALL_HOST),
     "kvsvc-bind-all": ("server", {}),
     "recompute-bind-all": ("", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+    # vLLM's own OffloadingConnector (KvsvcOffloadingSpec) with KvsvcTier below its CPU
+    # tier; a prompt of the longest length run between the miss and the hit evicts the
+    # first from the CPU tier (sized to hold one), so the hit comes from kvsvc.
+    "tier": ("server", _SMALL_HOST),
 }
+#: Bytes of one 128-token chunk of make_model's KV: layers x KV heads x head dim x K|V x bf16.
+CHUNK_BYTES = 8 * 8 * 64 * 2 * BLOCK * 2
 
 
 def make_model(path: Path) -> None:
@@ -73,7 +82,19 @@ def engine(args: argparse.Namespace) -> None:
 
     plan = json.loads(Path(args.plan).read_text())
     kwargs: dict[str, Any] = {}
-    if plan["target"]:
+    if plan["target"] and plan.get("cpu_bytes"):
+        tier = {"type": "KvsvcTier", "module_path": "kvsvc.integrations.vllm.tier"}
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "KvsvcOffloadingSpec",
+                "spec_module_path": "kvsvc.integrations.vllm.offload_spec",
+                "cpu_bytes_to_use": plan["cpu_bytes"],
+                "secondary_tiers": [{**tier, "target": plan["target"]}],
+            },
+        )
+    elif plan["target"]:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvsvcConnector",
             kv_connector_module_path="kvsvc.integrations.vllm",
@@ -179,11 +200,16 @@ def main() -> None:
                         q = prompt(n)
                         if target:
                             runs += [{"kind": "miss", "prompt": q, "wait_stored": 2.0}]
+                            if v == "tier":  # evicts q from vLLM's CPU tier
+                                evict = prompt(max(lengths))
+                                runs += [{"kind": "evict", "prompt": evict, "wait_stored": 2.0}]
                             if target == server.address:
                                 runs += [{"kind": "hit", "prompt": q}]
                         else:
                             runs += [{"kind": "recompute", "prompt": q}]
                     plan = {"model": str(tmp / "model"), "target": target, "runs": runs}
+                    if v == "tier":
+                        plan["cpu_bytes"] = (max(lengths) // BLOCK) * CHUNK_BYTES
                     results_by[v] += run_engine(tmp, f"{v}-{rep}", plan, env)
     rows = []
     results: dict[str, Any] = {"lengths": lengths, "reps": args.reps, "rows": rows}
