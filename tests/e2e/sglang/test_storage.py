@@ -303,3 +303,33 @@ def test_kill_stop_restart_never_raise_never_wrong(tmp_path: Path) -> None:
         a.close()
         b.close()
         srv.kill()
+
+
+def test_a_corrupt_page_is_never_reported_loaded(make_server: Any) -> None:
+    """A page whose stored bytes fail kvsvc's CRC-32C is False, and so is every
+    page after it; the pages before it load bit-exact; its host page is untouched.
+    (An in-process server, tests/conftest.py's, so that a stored byte can be flipped.)"""
+    server = make_server()
+    cfg = storage_config(server.address)
+    src, dst = mha_pool("page_first"), mha_pool("page_first")
+    a, b = backend(src, cfg), backend(dst, cfg)
+    try:
+        ks = keys("corrupt", 4)
+        fill_pages(src, [1, 2, 3, 4], seed=21)
+        assert a.batch_set_v1(ks, indices(src, [1, 2, 3, 4])) == [True] * 4
+        store = server.server.servicer.store
+        assert a.mapping is not None
+        chunk = store.get(a.namespace, a.key(ks[2]), a.mapping.layout_fingerprint)
+        assert chunk is not None
+        store.view[chunk.offset + 100] ^= 0xFF
+        got = b.batch_get_v1(ks, indices(dst, [5, 6, 7, 8]))
+        assert got == [True, True, False, False]
+        assert page_bytes(dst, 5) == page_bytes(src, 1)
+        assert page_bytes(dst, 6) == page_bytes(src, 2)
+        zero = bytes(len(page_bytes(dst, 7)))
+        assert page_bytes(dst, 7) == zero and page_bytes(dst, 8) == zero
+        assert store.checksum_failures == 1
+        assert b.batch_exists(ks) in (2, 4)  # dropped: a hint may lag the drop
+    finally:
+        a.close()
+        b.close()
