@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,9 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         self.index: Any = None
         self.index_client: KVCacheClient | None = None
         self.counters: dict[str, int] = {}
+        # (pages, GB/s) of each batch since get_stats, when SGLang asks for metrics.
+        self.metrics = bool(storage_config.enable_storage_metrics)
+        self.batches: dict[str, list[tuple[int, float]]] = {"get": [], "set": []}
 
     # --- setup ---
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -237,6 +241,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         assert self.view is not None and self.staging is not None
         pages = host_indices[:: self.page_size].to(torch.int64) // self.page_size
         n = len(keys)
+        t0 = time.perf_counter()
         stage = self.staging.tensor.narrow(self.dim, 0, n)
         chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
         with self.lock:
@@ -250,6 +255,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
                     s = client.store(mapping, chunks, timeout=self.cfg.store_timeout_s)
                     done = n if s.stored_chunks + s.present_chunks == n else 0
                     self._count("pages_stored", int(s.stored_chunks))
+                    self._timed("set", done, t0)
                     return done
                 r = client.retrieve(mapping, chunks, timeout=self.cfg.load_timeout_s)
                 loaded = int(r.loaded_chunks)
@@ -258,6 +264,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
                         self.dim, pages[:loaded], stage.narrow(self.dim, 0, loaded)
                     )
                 self._count("pages_loaded", loaded)
+                self._timed("get", loaded, t0)
                 return loaded
             except KVServiceError as exc:
                 ids = client.unproven_transfers(mapping)
@@ -395,8 +402,26 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         self.index = None
         self.index_client = None
 
-    def get_stats(self) -> dict[str, int]:
-        return dict(self.counters)
+    def _timed(self, kind: str, pages: int, t0: float) -> None:
+        if self.metrics and pages and self.staging is not None:
+            gb = pages * self.staging.page_bytes / 1e9
+            self.batches[kind].append((pages, gb / max(time.perf_counter() - t0, 1e-9)))
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s per batch since the last call)
+        when it asked for storage metrics, else None; ``counters`` holds kvsvc's own."""
+        if not self.metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        gets, sets = self.batches["get"], self.batches["set"]
+        self.batches = {"get": [], "set": []}
+        m.prefetch_pgs.extend(p for p, _ in gets)
+        m.prefetch_bandwidth.extend(bw for _, bw in gets)
+        m.backup_pgs.extend(p for p, _ in sets)
+        m.backup_bandwidth.extend(bw for _, bw in sets)
+        return m
 
     def close(self) -> None:
         self.link.close()
