@@ -300,13 +300,18 @@ def test_capacity_exhausted_for_a_chunk_larger_than_the_store(make_server) -> No
             CapacityExhausted,
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
             reason="REQUEST_EXCEEDS_CAPACITY",
-            metadata={
-                "requestBytes": str((2 << 20) + meta_bytes("ns", b"huge", 2 << 20)),
-                "capacityBytes": str(1 << 20),
-            },
             transfer_state=NOT_STARTED,
         )
+        # Judged from the message's size before it is parsed (kvsvc.server.data.budget).
+        assert ei.value.metadata["capacityBytes"] == str(1 << 20)
+        assert 2 << 20 < int(ei.value.metadata["requestBytes"]) < (2 << 20) + 4096
         assert c.server_info().used_bytes == 0  # nothing was reserved
+        # Below the size judged unparsed, the store's own check (keys and metadata count).
+        with pytest.raises(CapacityExhausted) as ei:
+            c.put("ns", [(b"big", b"x" * ((1 << 20) - 100))])
+        assert ei.value.reason == "REQUEST_EXCEEDS_CAPACITY"
+        need = (1 << 20) + meta_bytes("ns", b"big", (1 << 20) - 100)  # 4 KiB-aligned bytes
+        assert ei.value.metadata["requestBytes"] == str(need)
 
 
 def test_unimplemented_method(server) -> None:
