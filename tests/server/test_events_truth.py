@@ -1,9 +1,13 @@
 """The presence index cannot lie (issue 29, "Prove it"): a randomized run of
-Stores, overwrites and evictions under capacity pressure, with a kill -9 and a
-restart of the server in the middle, checked after every quiescent point against
-the server's truth (a Lookup per key) for every watched namespace -- every
-disagreement fails the test. And tenants: a watcher with tenant B's credentials
-gets nothing of tenant A's on the raw WatchEvents stream, not even a namespace name.
+Stores, overwrites and evictions under capacity pressure over a Redis tier (what
+memory evicts stays in Redis, and the index says so), with Redis restarted empty
+and a kill -9 and a restart of the server in the middle, checked after every
+quiescent point against the server's truth (a Lookup per key) for every watched
+namespace -- every disagreement fails the test. A restarted Redis is noticed within
+a bounded time (the tier asks its run id every REMOTE_RUN_CHECK_S), so the first
+check after one may retry for REDIS_NOTICED_S; any other check gets one try.
+And tenants: a watcher with tenant B's credentials gets nothing of tenant A's on
+the raw WatchEvents stream, not even a namespace name.
 
 Set KVSVC_TRUTH_SEED to replay a run (the seed is printed)."""
 
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 import grpc
+from redis_servers import RedisServer, require_redis
 from support import ServerProcess
 
 from kvsvc.client import KVCacheClient
@@ -40,6 +45,9 @@ CHECK_EVERY = 500
 #: Bound on an index catching up with a quiescent point, or resyncing after a restart
 #: (a new process takes seconds to start on a loaded host).
 CATCH_UP_S = 30.0
+#: Bound on the server noticing a restarted Redis (REMOTE_RUN_CHECK_S is 0.5 s; a
+#: loaded host delays the loop's timer, never by this much).
+REDIS_NOTICED_S = 15.0
 
 
 def free_port() -> int:
@@ -91,18 +99,25 @@ def divergences(
     return found
 
 
-def test_the_index_equals_the_servers_truth_through_random_operations(shm_dir: Path) -> None:
+def test_the_index_equals_the_servers_truth_through_random_operations(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    require_redis()
     seed = int(os.environ.get("KVSVC_TRUTH_SEED") or secrets.randbits(32))
     print(f"KVSVC_TRUTH_SEED={seed}")
     rng = random.Random(seed)
     port = free_port()
-    args = ("--store-bytes", STORE_BYTES)
+    redis = RedisServer(tmp_path / "redis")
+    # The truth is a Lookup: with the default 5 ms for Redis, a loaded host's Lookup
+    # gives up on a key Redis holds (a miss by design), which is not the truth.
+    args = ("--store-bytes", STORE_BYTES, "--remote", redis.url, "--remote-lookup-budget", "10")
     proc = ServerProcess(shm_dir, *args, port=port)
     started = time.monotonic()
     used: dict[str, set[bytes]] = {ns: set() for ns in NAMESPACES}
     problems: list[str] = []
-    overwrites = checks = evicted = marks = 0
+    overwrites = checks = evicted = marks = redis_restarts = 0
     kill_at = rng.randrange(OPERATIONS // 3, 2 * OPERATIONS // 3)
+    redis_at = sorted(rng.sample(range(CHECK_EVERY, OPERATIONS, CHECK_EVERY), 2))
     try:
         with KVCacheClient(proc.address) as c:
             indexes = {ns: c.presence(ns) for ns in NAMESPACES}
@@ -110,6 +125,7 @@ def test_the_index_equals_the_servers_truth_through_random_operations(shm_dir: P
                 assert index.wait_fresh(CATCH_UP_S), index.error
             done = 0
             since_check = 0
+            noticing = False
             while done < OPERATIONS:
                 namespace = rng.choice(NAMESPACES)
                 keys = {f"k{rng.randrange(KEYS):03d}".encode() for _ in range(rng.randint(1, 6))}
@@ -123,14 +139,27 @@ def test_the_index_equals_the_servers_truth_through_random_operations(shm_dir: P
                 since_check = 0
                 # One namespace at a time: another's mark could evict this one's keys
                 # after its index caught up.
+                settle = time.monotonic() + (REDIS_NOTICED_S if noticing else 0.0)
                 for ns, index in indexes.items():
-                    marks += 1
-                    mark = f"mark{marks}".encode()
-                    used[ns].add(mark)
-                    quiesce(index, c, ns, mark)
-                    found = divergences({ns: index}, c, used)
+                    while True:  # one try, or until Redis' restart was noticed (bounded)
+                        marks += 1
+                        mark = f"mark{marks}".encode()
+                        used[ns].add(mark)
+                        quiesce(index, c, ns, mark)
+                        found = divergences({ns: index}, c, used)
+                        if not found or time.monotonic() >= settle:
+                            break
+                        time.sleep(0.1)
                     problems += [f"after {done} ops: {d}" for d in found]
                 checks += 1
+                noticing = False
+                if redis_at and done >= redis_at[0]:
+                    redis_at.pop(0)
+                    redis.kill()
+                    redis.start(port=redis.port)  # a new run, empty: what it held is gone
+                    redis_restarts += 1
+                    print(f"Redis restarted empty after {done} ops")
+                    noticing = True
                 if done >= kill_at and proc.proc.poll() is None and kill_at >= 0:
                     evicted += c.server_info(timeout=10).evicted_chunks
                     before = c.server_info(timeout=10).server_start_id
@@ -143,6 +172,9 @@ def test_the_index_equals_the_servers_truth_through_random_operations(shm_dir: P
                         time.sleep(0.005)
                     print(f"kill -9: every index unknown after {time.monotonic() - killed:.3f} s")
                     proc.kill()
+                    # What Redis holds now, no server of this incarnation has seen: the
+                    # index covers the remote tier as far as its server saw it.
+                    redis.cli("FLUSHALL")
                     proc = ServerProcess(shm_dir, *args, port=port)
                     kill_at = -1
                     after = until_up(c)
@@ -156,13 +188,15 @@ def test_the_index_equals_the_servers_truth_through_random_operations(shm_dir: P
                 index.close()
     finally:
         proc.kill()
+        redis.kill()
     took = time.monotonic() - started
     print(
         f"{done} operations ({overwrites} of keys stored before, {evicted} evictions), "
-        f"{checks} quiescent points, every key checked at each, in {took:.1f} s; "
-        f"{len(problems)} divergences"
+        f"{redis_restarts} Redis restarts, {checks} quiescent points, every key checked "
+        f"at each, in {took:.1f} s; {len(problems)} divergences"
     )
     assert kill_at == -1, "the run never killed the server"
+    assert redis_restarts == 2, "the run did not restart Redis"
     assert overwrites > 0 and evicted > 0, "the run did not cover overwrites and evictions"
     assert not problems, "\n".join(problems[:50])
 

@@ -67,6 +67,10 @@ def value_connection_settings() -> dict[str, Any]:
     }
 
 
+#: Most writes and fetches kept for a recheck after Redis' run came into doubt (a
+#: hint: the rest are simply not announced).
+UNCONFIRMED_MAX = 65536
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
@@ -131,6 +135,13 @@ class Connections:
         self._closed = False
         #: told of what the tier found, wrote or lost (WatchEvents; set by the servicer)
         self.events: EventLog | None = None
+        #: changes whenever Redis' run is in doubt (kvsvc.server.tiers.redis.runs): a
+        #: write sent before is announced only once the run now serving holds it
+        self.run_epoch = 0
+        #: (namespace, key, layout, bytes) written across such a change, to recheck
+        self.unconfirmed: list[tuple[str, bytes, str, int]] = []
+        #: while the announced keys are rechecked against a new run
+        self.rechecking = False
 
     # --- clients ---
     def _redis(self) -> Any:
@@ -250,6 +261,11 @@ class Connections:
         self._count_error(exc)
         self.breaker.failure()
         warn.warning("remote tier: Redis call failed (%s: %s)", type(exc).__name__, exc)
+
+    def doubted(self, epoch: int) -> bool:
+        """Whether what was written or read since ``epoch`` may have gone to a run of
+        Redis that is lost: its announcement waits for a recheck (on the loop)."""
+        return epoch != self.run_epoch or self.rechecking
 
     # --- counters ---
     def _count_error(self, exc: BaseException) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from kvsvc.errors import CapacityExhausted
 from kvsvc.server.config import REMOTE_FETCH_GROUP_BYTES, REMOTE_FETCHERS, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkStore
-from kvsvc.server.tiers.redis.connection import Connections
+from kvsvc.server.tiers.redis.connection import UNCONFIRMED_MAX, Connections
 from kvsvc.server.tiers.redis.health import Skipped, consume, log, warn
 from kvsvc.server.tiers.redis.values import (
     BAD_HEADER,
@@ -66,6 +66,7 @@ class Fetches(Connections):
         if not keys:
             return 0
         started = time.monotonic()
+        epoch = self.run_epoch  # a run lost meanwhile: what it gave is announced after a recheck
         rkeys = redis_keys(self.prefix, namespace, layout, keys)
         run = _Fetch(self, namespace, layout, keys, on_commit)
         fut = self._submit(lambda r: self._stream(r, rkeys, layout, run.deliver, run.stop))
@@ -87,7 +88,10 @@ class Fetches(Connections):
         self.hits += good
         self.bytes_read += run.loaded_bytes
         if self.events is not None:  # what this server now knows of the tier
-            if run.found:
+            if run.found and self.doubted(epoch):
+                if len(self.unconfirmed) < UNCONFIRMED_MAX:
+                    self.unconfirmed += [(namespace, k, layout, n) for k, n in run.found]
+            elif run.found:
                 found = [k for k, _ in run.found]
                 nbytes = sum(n for _, n in run.found)
                 self.events.stored(namespace, found, layout, nbytes, pb.TIER_REDIS)

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvsvc.server.config import REMOTE_WRITE_BATCH_BYTES, REMOTE_WRITERS, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkStore
-from kvsvc.server.tiers.redis.connection import Connections
+from kvsvc.server.tiers.redis.connection import UNCONFIRMED_MAX, Connections
 from kvsvc.server.tiers.redis.health import Skipped
 from kvsvc.server.tiers.redis.values import Staging, encode, header_bytes, redis_key
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -124,6 +124,7 @@ class WriteBehind(Connections):
                 pipe.set(k, v, ex=self.ttl or None)
             pipe.execute()
 
+        epoch = self.run_epoch  # the Redis run this write is sent to, as far as known
         try:
             self._call(send)
         except Skipped:
@@ -132,11 +133,17 @@ class WriteBehind(Connections):
         self._add(writes=len(writes), bytes_written=sum(w.chunk.size for w in writes))
         if self.events is not None:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody watches
-                self.loop.call_soon_threadsafe(self._announce, writes)
+                self.loop.call_soon_threadsafe(self._announce, writes, epoch)
 
-    def _announce(self, writes: list[_Write]) -> None:
-        """On the loop: the written chunks are now in the tier (EventLog.stored)."""
+    def _announce(self, writes: list[_Write], epoch: int) -> None:
+        """On the loop: the written chunks are now in the tier (EventLog.stored); if
+        Redis' run came into doubt meanwhile (it may have been the run that was lost),
+        only once the run now serving is seen to hold them (Runs rechecks)."""
         assert self.events is not None
+        if self.doubted(epoch):
+            if len(self.unconfirmed) < UNCONFIRMED_MAX:  # beyond: never announced
+                self.unconfirmed += [(w.namespace, w.key, w.layout, w.chunk.size) for w in writes]
+            return
         for w in writes:
             self.events.stored(w.namespace, (w.key,), w.layout, w.chunk.size, pb.TIER_REDIS)
 
