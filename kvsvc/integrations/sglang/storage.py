@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import sglang
@@ -54,6 +56,9 @@ from kvsvc.integrations.sglang.pages import (  # noqa: E402
 from kvsvc.v1 import kv_cache_service_pb2 as pb  # noqa: E402
 
 log = logging.getLogger("kvsvc.sglang")
+# Pages per Store/Retrieve of a batch: small enough that gathering one piece overlaps
+# kvsvc's copy of the last, large enough that the calls' overhead stays small.
+PIECE_PAGES = 16
 
 
 class _SglangLink(Link):
@@ -237,44 +242,64 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         return out
 
     def _one_batch(self, keys: list[str], host_indices: torch.Tensor, *, store: bool) -> int:
-        """How many leading pages of the batch were stored or loaded."""
+        """How many leading pages of the batch were stored or loaded. The batch goes
+        in pieces, pipelined: this thread gathers (or scatters) one piece while
+        kvsvc copies another, so the staging copy overlaps kvsvc's."""
         assert self.view is not None and self.staging is not None
         pages = host_indices[:: self.page_size].to(torch.int64) // self.page_size
         n = len(keys)
         t0 = time.perf_counter()
-        stage = self.staging.tensor.narrow(self.dim, 0, n)
         chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
+        pieces = [(a, min(a + PIECE_PAGES, n)) for a in range(0, n, PIECE_PAGES)]
+        timeout = self.cfg.store_timeout_s if store else self.cfg.load_timeout_s
         with self.lock:
             got = self._mapped()
             if got is None:
                 return 0
             client, mapping = got
-            try:
+            futures: list[Future[Any]] = []
+            for a, b in pieces:
                 if store:
-                    torch.index_select(self.view, self.dim, pages, out=stage)
-                    s = client.store(mapping, chunks, timeout=self.cfg.store_timeout_s)
-                    done = n if s.stored_chunks + s.present_chunks == n else 0
-                    self._count("pages_stored", int(s.stored_chunks))
-                    self._timed("set", done, t0)
-                    return done
-                r = client.retrieve(mapping, chunks, timeout=self.cfg.load_timeout_s)
-                loaded = int(r.loaded_chunks)
-                if loaded:
-                    self.view.index_copy_(
-                        self.dim, pages[:loaded], stage.narrow(self.dim, 0, loaded)
-                    )
-                self._count("pages_loaded", loaded)
-                self._timed("get", loaded, t0)
-                return loaded
-            except KVServiceError as exc:
-                ids = client.unproven_transfers(mapping)
-                if ids:
-                    self._unproven(ids, mapping, exc)
-                elif isinstance(exc, Miss):
-                    return 0
+                    stage = self.staging.tensor.narrow(self.dim, a, b - a)
+                    torch.index_select(self.view, self.dim, pages[a:b], out=stage)
+                    futures.append(client.store_async(mapping, chunks[a:b], timeout=timeout))
                 else:
-                    self._failed("store" if store else "retrieve", exc)
-                return 0
+                    futures.append(client.retrieve_async(mapping, chunks[a:b], timeout=timeout))
+            done, errors = 0, []
+            for (a, b), f in zip(pieces, futures, strict=True):
+                try:
+                    # Every kvsvc future ends by its deadline; this bound is a backstop.
+                    r = f.result(timeout + 10)
+                except (KVServiceError, FutureTimeout) as exc:
+                    errors.append(exc)
+                    continue
+                if done != a:  # an earlier piece fell short: later pages do not count
+                    continue
+                if store:
+                    self._count("pages_stored", int(r.stored_chunks))
+                    done = b if r.stored_chunks + r.present_chunks == b - a else a
+                else:
+                    loaded = int(r.loaded_chunks)
+                    if loaded:
+                        stage = self.staging.tensor.narrow(self.dim, a, loaded)
+                        self.view.index_copy_(self.dim, pages[a : a + loaded], stage)
+                    self._count("pages_loaded", loaded)
+                    done = a + loaded
+            if errors:
+                self._settle(client, mapping, errors[0], "store" if store else "retrieve")
+            self._timed("set" if store else "get", done, t0)
+            return done
+
+    def _settle(
+        self, client: KVCacheClient, mapping: MappingHandle, exc: BaseException, what: str
+    ) -> None:
+        """After a failed transfer: bar the staging region while a copy may still run,
+        else count kvsvc as down (a plain miss counts as nothing)."""
+        ids = client.unproven_transfers(mapping)
+        if ids or isinstance(exc, FutureTimeout):
+            self._unproven(ids, mapping, exc)
+        elif not isinstance(exc, Miss):
+            self._failed(what, exc)
 
     # --- hit queries ---
     def batch_exists(

@@ -359,3 +359,33 @@ def test_a_corrupt_page_is_never_reported_loaded(make_server: Any) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_miss_in_a_later_piece_ends_the_run(server: ServerProcess) -> None:
+    """A batch goes to kvsvc in pieces of PIECE_PAGES: a miss in the second piece is
+    False with every page after it (later pieces loaded or not), the pages before it
+    bit-exact, the pages after it untouched."""
+    from kvsvc.integrations.sglang.storage import PIECE_PAGES
+
+    n = 2 * PIECE_PAGES + 8
+    cfg = storage_config(server.address)
+    src = mha_pool("page_first", device_tokens=n * 4)
+    dst = mha_pool("page_first", device_tokens=n * 4)
+    a, b = backend(src, cfg), backend(dst, cfg)
+    try:
+        ks = keys("pieces", n)
+        sp = list(range(1, n + 1))
+        fill_pages(src, sp, seed=31)
+        assert a.batch_set_v1(ks, indices(src, sp)) == [True] * n
+        miss = PIECE_PAGES + 3
+        probe = [*ks[:miss], "absent", *ks[miss + 1 :]]
+        got = b.batch_get_v1(probe, indices(dst, sp))
+        assert got == [True] * miss + [False] * (n - miss)
+        zero = bytes(len(page_bytes(dst, 1)))
+        for p in sp[:miss]:
+            assert page_bytes(dst, p) == page_bytes(src, p)
+        for p in sp[miss:]:
+            assert page_bytes(dst, p) == zero
+    finally:
+        a.close()
+        b.close()
