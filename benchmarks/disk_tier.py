@@ -247,7 +247,8 @@ def _fs(work: Path) -> str:
     st = os.statvfs(work)
     dev = subprocess.run(["df", "--output=source,fstype", str(work)], capture_output=True,
                          text=True, timeout=10).stdout.split("\n")[1:2]  # fmt: skip
-    return f"{work} on {' '.join(dev).split() or '?'} ({st.f_bavail * st.f_frsize >> 30} GiB free)"
+    where = " ".join(" ".join(dev).split()) or "?"  # "DEVICE FSTYPE"
+    return f"{work} on {where} ({st.f_bavail * st.f_frsize >> 30} GiB free)"
 
 
 def tables(t: dict[str, Any], r: dict[str, Any]) -> str:
