@@ -34,10 +34,12 @@ else
   echo "sglang: making $VENV: $want (a few minutes)"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "$TORCH"
-  "$VENV/bin/pip" install -q --no-deps "$SGLANG"
+  # --no-compile: byte-compiling every module of torch, sglang and transformers
+  # costs minutes of CPU; Python compiles the few hundred the tests import.
+  "$VENV/bin/pip" install -q --no-compile "$TORCH"
+  "$VENV/bin/pip" install -q --no-compile --no-deps "$SGLANG"
   # shellcheck disable=SC2086
-  "$VENV/bin/pip" install -q $DEPS $TEST_DEPS "$TORCH"
+  "$VENV/bin/pip" install -q --no-compile $DEPS $TEST_DEPS "$TORCH"
   echo "$want" >"$STAMP"
 fi
 "$VENV/bin/pip" install -q -e .
