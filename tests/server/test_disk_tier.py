@@ -384,8 +384,14 @@ def test_evict_mode_keeps_what_memory_evicts(config, tmp_path: Path) -> None:
             on_disk = len(chunk_files(root))
             assert 0 < on_disk < len(chunks)
             assert c.lookup([k for k, _ in chunks], namespace=NS) == len(chunks)
+            disk = st.server.servicer.disk
+            assert disk is not None
             for key, data in chunks:
                 assert c.get(NS, key) == data, key
+                # Its load evicted another chunk: copied out before the next get (on a
+                # loaded host the 2 MiB queue could fill, and a full queue skips).
+                assert disk.writer.idle.wait(15)
+            assert disk.stats.skipped_queue == 0, disk.stats
     finally:
         st.stop()
     st = ServerThread(cfg)
