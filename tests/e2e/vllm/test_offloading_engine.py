@@ -61,6 +61,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             {"do": "wait_stored", "name": "P1 in kvsvc", "chunks": 8},
             {"do": "generate", "name": "P2", "prompts": P2},
             {"do": "wait_stored", "name": "P2 in kvsvc", "chunks": 16},
+            # kvsvc has P2 once its Store committed; vLLM unpins P2's CPU slots (so P1 can
+            # be promoted into them) only on a later engine step that sees the job end,
+            # and the tier's index sees P2's events a little later: the engine keeps
+            # stepping while tier jobs are pending, so a pause lets both happen.
+            {"do": "sleep", "s": 3},
             {"do": "generate", "name": "P1 again", "prompts": P1},
             {"do": "kill"},
             {"do": "generate", "name": "P2 again", "prompts": P2},
