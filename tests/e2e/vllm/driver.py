@@ -63,7 +63,8 @@ class KvsvcProcess:
             env=env,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 60
+        # 60 s was too short on a 2-core host at load 11 (the server imports torch).
+        deadline = time.monotonic() + 180
         with KVCacheClient(self.address, **(client or {})) as c:
             while True:
                 try:
