@@ -10,7 +10,8 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, TypeVar
 
 from kvsvc.client import ClientTLS, KVCacheClient
@@ -40,10 +41,58 @@ LINK_ERRORS = (
 S = TypeVar("S")
 
 
-def parse_settings(cls: type[S], extra: dict[str, Any] | None, env_prefix: str, where: str) -> S:
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """What every plug-in needs to reach kvsvc, named as the Python client names it;
+    an engine's settings class adds its own keys (and its namespace's default)."""
+
+    target: str = "127.0.0.1:50051"
+    # A tenant prefix; a fingerprint of the deployment is appended to it.
+    namespace: str = "kvsvc"
+    # An engine thread waits at most this long for a Lookup; then a miss.
+    lookup_timeout_s: float = 0.05
+    load_timeout_s: float = 10.0
+    store_timeout_s: float = 10.0
+    # Map, memfd passing, Fence.
+    fence_timeout_s: float = 10.0
+    # After a failure, kvsvc counts as down (0 hits, stores skipped) this long,
+    # then the plug-in reconnects on a fresh channel.
+    reconnect_interval_s: float = 2.0
+    log_level: str = "INFO"
+    # Security: the bearer token's file (read at each connect, so a rotated token is
+    # picked up), TLS (on when any tls_* is set, or ``tls``: the system's roots), and
+    # the fd socket as this process sees it.
+    token_file: str = ""
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    fd_socket: str = ""
+    # Lookups answered from a presence index that follows kvsvc's events stream (no
+    # RPC while it is fresh); False: a Lookup RPC each time.
+    presence: bool = True
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_server_name))
+
+
+def parse_settings(
+    cls: type[S],
+    extra: dict[str, Any] | None,
+    env_prefix: str,
+    where: str,
+    env: Mapping[str, str] | None = None,
+) -> S:
     """A frozen settings dataclass from ``extra`` (unknown keys are an error, so a
-    typo is not ignored), else ``<env_prefix><KEY>`` environment variables."""
-    env = os.environ
+    typo is not ignored), else ``<env_prefix><KEY>`` variables of ``env`` (default:
+    the process environment)."""
+    env = os.environ if env is None else env
     extra = dict(extra or {})
     names = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(extra) - set(names))

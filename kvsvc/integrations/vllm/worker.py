@@ -232,8 +232,10 @@ class KvsvcConnectorWorker:
                 if t.kind == "load":
                     loaded = int(r.loaded_chunks)
                     self._count("loaded_blocks", sum(len(b) for b in t.blocks[:loaded]))
-                    if loaded < len(t.blocks):  # evicted since the lookup
-                        self._fail_load(t.req_id, t.blocks[loaded:], "evicted since the lookup")
+                    if loaded < len(t.blocks):  # evicted since the lookup, or failed its check
+                        self._fail_load(
+                            t.req_id, t.blocks[loaded:], "not loaded (evicted or failed its check)"
+                        )
                     else:
                         with self.lock:
                             self.recv_done.add(t.req_id)
