@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.server.config import ServerConfig
+from kvsvc.server.data.store import ChunkStore
 from kvsvc.server.lifecycle import Server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -211,3 +213,11 @@ def truncating(cache: SharedKVCache) -> Iterator[None]:
     finally:
         stop.set()
         t.join()
+
+
+def flip(store: ChunkStore, namespace: str, key: bytes, rng: random.Random) -> int:
+    """Flip one bit at a random place of the stored chunk; returns the offset."""
+    (chunk,) = [c for k, c in list(store._chunks.items()) if k[:2] == (namespace, key)]
+    at = rng.randrange(chunk.size)
+    store.view[chunk.offset + at] ^= 1 << rng.randrange(8)
+    return at

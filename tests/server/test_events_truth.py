@@ -13,6 +13,7 @@ Set KVSVC_TRUTH_SEED to replay a run (the seed is printed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -25,11 +26,12 @@ from pathlib import Path
 
 import grpc
 from redis_servers import RedisServer, require_redis
-from support import ServerProcess
+from support import ServerProcess, fill_random, flip
 
 from kvsvc.client import KVCacheClient
+from kvsvc.client.kvcache import SharedKVCache, rank_context
 from kvsvc.client.presence import PresenceIndex
-from kvsvc.errors import ServiceUnavailable
+from kvsvc.errors import KVServiceError, ServiceUnavailable
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -42,6 +44,8 @@ STORE_BYTES = "256K"
 NAMESPACES = ("truth/a", "truth/b")
 #: A quiescent point (and a check of every key) every this many operations.
 CHECK_EVERY = 500
+#: Steps of the run with failed checks and unmaps (a quiescent point every 100).
+MIXED_STEPS = 2000
 #: Bound on an index catching up with a quiescent point, or resyncing after a restart
 #: (a new process takes seconds to start on a loaded host).
 CATCH_UP_S = 30.0
@@ -198,6 +202,62 @@ def test_the_index_equals_the_servers_truth_through_random_operations(
     assert kill_at == -1, "the run never killed the server"
     assert redis_restarts == 2, "the run did not restart Redis"
     assert overwrites > 0 and evicted > 0, "the run did not cover overwrites and evictions"
+    assert not problems, "\n".join(problems[:50])
+
+
+def test_the_index_equals_the_truth_through_failed_checks_and_unmaps(make_server) -> None:
+    """Stores and overwrites under capacity pressure, chunks whose stored bits are
+    flipped and then asked for (the Retrieve's check drops them: removed, check
+    failed), and engine regions mapped, stored from and unmapped (what they stored
+    stays): after every quiescent point the index equals the server's truth."""
+    seed = int(os.environ.get("KVSVC_TRUTH_SEED") or secrets.randbits(32))
+    print(f"KVSVC_TRUTH_SEED={seed}")
+    rng = random.Random(seed)
+    st = make_server(store_bytes=1 << 20)
+    store = st.server.servicer.store
+    ns = NAMESPACES[0]
+    used: set[bytes] = set()
+    problems: list[str] = []
+    flips = unmaps = marks = 0
+    with (
+        KVCacheClient(st.address) as c,
+        SharedKVCache("truth", num_layers=1, num_blocks=8, memfd=True) as kv,
+    ):
+        fill_random(kv, seed % 1000)
+        index = c.presence(ns)
+        assert index.wait_fresh(CATCH_UP_S), index.error
+        for step in range(1, MIXED_STEPS + 1):
+            roll = rng.random()
+            inline = [k for (n, k, lay) in list(store._chunks) if n == ns and lay == "inline"]
+            if roll < 0.1 and inline:
+                key = rng.choice(sorted(inline))
+                flip(store, ns, key, rng)
+                with contextlib.suppress(KVServiceError):  # a miss: the check failed
+                    c.get(ns, key)
+                flips += 1
+            elif roll < 0.2:
+                m = c.map(ns, [kv.rank_region(rank_context(), token=c.register_memfd(kv.fd))])
+                keys = {f"m{rng.randrange(KEYS):03d}".encode() for _ in range(rng.randint(1, 3))}
+                used |= keys
+                c.store(m, [(k, [rng.randrange(8)]) for k in sorted(keys)])
+                c.unmap(m)
+                unmaps += 1
+            else:
+                keys = {f"k{rng.randrange(KEYS):03d}".encode() for _ in range(rng.randint(1, 6))}
+                used |= keys
+                c.put(ns, [(k, rng.randbytes(CHUNK)) for k in sorted(keys)], timeout=10)
+            if step % 100 == 0:
+                marks += 1
+                mark = f"mark{marks}".encode()
+                used.add(mark)
+                quiesce(index, c, ns, mark)
+                problems += [
+                    f"after {step} steps: {d}" for d in divergences({ns: index}, c, {ns: used})
+                ]
+        index.close()
+    print(f"{MIXED_STEPS} steps ({flips} flipped and asked for, {unmaps} map-store-unmaps), "
+          f"{marks} quiescent points; {len(problems)} divergences")  # fmt: skip
+    assert flips > 0 and unmaps > 0, "the run did not cover failed checks and unmaps"
     assert not problems, "\n".join(problems[:50])
 
 

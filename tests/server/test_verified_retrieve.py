@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from redis_servers import RedisServer, require_redis
-from support import SERVING, ServerThread, health_status
+from support import SERVING, ServerThread, flip, health_status
 
 from kvsvc.client import KVCacheClient, MappingHandle
 from kvsvc.client.kvcache import SharedKVCache, rank_context
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data import copies
-from kvsvc.server.data.store import ChunkStore
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.slow  # starts servers
@@ -50,14 +49,6 @@ def same(a: SharedKVCache, a_ids: list[int], b: SharedKVCache, b_ids: list[int])
     return all(
         torch.equal(x, y) for x, y in zip(chunk_bytes(a, a_ids), chunk_bytes(b, b_ids), strict=True)
     )
-
-
-def flip(store: ChunkStore, namespace: str, key: bytes, rng: random.Random) -> int:
-    """Flip one bit at a random place of the stored chunk; returns the offset."""
-    (chunk,) = [c for k, c in store._chunks.items() if k[:2] == (namespace, key)]
-    at = rng.randrange(chunk.size)
-    store.view[chunk.offset + at] ^= 1 << rng.randrange(8)
-    return at
 
 
 class Removals:
