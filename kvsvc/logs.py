@@ -43,7 +43,34 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class ClientGoneFilter(logging.Filter):
+    """grpc's aio server logs at ERROR, with a traceback, a stream's final status that
+    it could not send because the client had already hung up (ExecuteBatchError on
+    SendStatusFromServerOperation). Nothing failed on the server's side, and the
+    request was answered or abandoned by its client, so it becomes one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if (
+            exc is not None
+            and type(exc).__name__ == "ExecuteBatchError"
+            and "SendStatusFromServerOperation" in str(exc)
+        ):
+            record.msg = "%s: its final status was not sent (the client had gone)"
+            record.args = (record.getMessage(),)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+#: The logger grpc's Cython core logs its server errors to.
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+
+
 def setup_logging(level: str, fmt: str) -> None:
+    grpc_core = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(f, ClientGoneFilter) for f in grpc_core.filters):
+        grpc_core.addFilter(ClientGoneFilter())
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
     if fmt == "json":

@@ -90,3 +90,32 @@ class _BadStr(Exception):
 )
 def test_describe_says_what_traceback_says(exc: BaseException) -> None:
     assert describe(exc) == "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def test_grpc_final_status_to_a_gone_client_is_one_info_line(capsys) -> None:
+    """grpc's own ERROR + traceback for a status it could not send to a client that
+    hung up becomes one INFO line; grpc's other errors keep their traceback."""
+    import logging
+
+    from grpc._cython import cygrpc
+
+    from kvsvc.logs import GRPC_CORE_LOGGER, setup_logging
+
+    setup_logging("INFO", "text")
+    core = logging.getLogger(GRPC_CORE_LOGGER)
+    gone = cygrpc.ExecuteBatchError(
+        'Failed "execute_batch": (<grpc._cython.cygrpc.SendStatusFromServerOperation>,)'
+    )
+    try:
+        raise gone
+    except cygrpc.ExecuteBatchError:
+        core.exception("ExecuteBatchError raised in core by servicer method [/x/WatchEvents]")
+    err = capsys.readouterr().err
+    assert "INFO grpc._cython.cygrpc" in err and "the client had gone" in err, err
+    assert "Traceback" not in err and "ERROR" not in err, err
+    try:
+        raise RuntimeError("something else")
+    except RuntimeError:
+        core.exception("a real failure")
+    err = capsys.readouterr().err
+    assert "ERROR grpc._cython.cygrpc: a real failure" in err and "Traceback" in err, err
