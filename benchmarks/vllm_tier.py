@@ -120,7 +120,7 @@ def main() -> int:
             print(f"| {state} | {name} | {p50:.1f} | {p99:.1f} | {top:.0f} | {cpu:.1f} |")
     print(f"tier counters: {results['counters']}")
     out = Path(args.out)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "vllm_tier.json").write_text(json.dumps(results, indent=1))
     worst = max(r["p99_us"] for s in ("up", "down") for r in results[s].values())
     print(f"worst p99: {worst:.1f} µs (goal <= 50 µs)")
