@@ -3,7 +3,8 @@ and worker; they need a ``__main__`` guard, so tests run this as a script).
 
 ``python driver.py PLAN.json RESULT.json``. The plan names the model, the
 kv-transfer config (or none: the baseline) and a list of steps: ``generate``
-(prompts as token ids; its own ``max_tokens`` optional), ``serve`` (start
+(prompts as token ids; its own ``max_tokens`` optional; with ``until``, repeated
+until the test makes that file), ``serve`` (start
 ``kvsvc serve`` on the plan's port, with optional failpoints), ``kill`` (SIGKILL
 it), ``wait_mapped`` and ``wait_stored`` (poll the server, bounded), ``sleep``.
 The plan may also set ``kv_events_config``, ``prefix_caching`` and the server's
@@ -139,7 +140,16 @@ def main() -> None:
                     sp = SamplingParams(
                         temperature=0, max_tokens=step["max_tokens"], ignore_eos=True
                     )
-                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp)
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in step["prompts"]]
+                outs = llm.generate(prompts, sp)
+                # "until": repeat (scheduler steps publish) until the test, which
+                # watches from outside, makes that file; bounded by "max_s".
+                until = Path(step["until"]) if "until" in step else None
+                rec["rounds"] = 1
+                stop_at = t + step.get("max_s", 60)
+                while until is not None and not until.exists() and time.monotonic() < stop_at:
+                    llm.generate(prompts, sp)
+                    rec["rounds"] += 1
                 rec["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
                 rec["cached"] = [int(o.num_cached_tokens or 0) for o in outs]
             elif step["do"] == "serve":

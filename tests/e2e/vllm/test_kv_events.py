@@ -4,13 +4,15 @@ topic, sequence, msgpack([ts, [event maps tagged "type"], dp_rank])). After a
 prompt is stored in kvsvc its chunks arrive as BlockStored with medium "kvsvc"
 and the very hashes vLLM publishes for its own blocks of that prompt; after the
 server is killed and started again (empty: a new incarnation) they leave as
-BlockRemoved. vLLM publishes only on scheduler steps, so short flush prompts
-follow each change."""
+BlockRemoved. vLLM publishes only on scheduler steps, and kvsvc's blocks only
+while the presence index is fresh, so a short flush prompt is repeated after each
+change until the subscriber has seen what should follow (bounded: a minute)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,9 +25,7 @@ from test_engines import A, gen, step
 from vllm_helpers import connector_config, free_port, make_model, run_engine
 
 FLUSH = [7] * 10  # under one block: no lookup, no store; its steps publish
-# Steps enough (~1 s or more) for the presence index to be fresh again on a loaded
-# host: kvsvc's blocks are announced only while it is (events.py).
-FLUSH_TOKENS = 64
+FLUSH_TOKENS = 32
 
 
 class Subscriber:
@@ -33,6 +33,9 @@ class Subscriber:
 
     def __init__(self, port: int) -> None:
         self.batches: list[tuple[float, list[dict[str, Any]]]] = []
+        # (kind, how many kvsvc hashes, file): made once that many have arrived,
+        # which ends the driver's repeated flush.
+        self.signals: list[tuple[str, int, Path]] = []
         self.stop = threading.Event()
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
@@ -47,6 +50,9 @@ class Subscriber:
                 _topic, _seq, payload = self.sub.recv_multipart()
                 ts, events, *_ = msgpack.unpackb(payload)
                 self.batches.append((ts, events))
+                for kind, n, path in self.signals:
+                    if len(self.hashes(kind, kvsvc=True)) >= n:
+                        path.touch()
 
     def close(self) -> None:
         self.stop.set()
@@ -70,21 +76,22 @@ def events_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any]
     work = tmp_path_factory.mktemp("events")
     model = make_model(work / "model")
     port, zmq_port = free_port(), free_port()
+    seen_stored, seen_removed = work / "seen_stored", work / "seen_removed"
     steps = [
         {"do": "serve"},
         {"do": "wait_mapped"},
         gen("A", A),
         {"do": "wait_stored", "chunks": 5},
         {"do": "sleep", "s": 1},
-        {**gen("flush1", FLUSH), "max_tokens": FLUSH_TOKENS},
+        {**gen("flush1", FLUSH), "max_tokens": FLUSH_TOKENS, "until": str(seen_stored)},
         {"do": "kill"},
         {"do": "serve"},
         {"do": "wait_mapped"},
-        {"do": "sleep", "s": 3},
-        {**gen("flush2", FLUSH), "max_tokens": FLUSH_TOKENS},
+        {**gen("flush2", FLUSH), "max_tokens": FLUSH_TOKENS, "until": str(seen_removed)},
         {"do": "kill"},
     ]
     sub = Subscriber(zmq_port)
+    sub.signals = [("BlockStored", 5, seen_stored), ("BlockRemoved", 5, seen_removed)]
     try:
         run = run_engine(
             work,
@@ -117,7 +124,8 @@ def test_kvsvc_blocks_arrive_as_vllm_kv_events_and_leave(events_run) -> None:
     own = sub.hashes("BlockStored", kvsvc=False, before=killed)
     assert len(own) == 5, own  # vLLM's own: A's 5 full blocks of BLOCK tokens
     stored = sub.hashes("BlockStored", kvsvc=True, before=killed)
-    assert stored == own, (stored, own)  # kvsvc's keys map back to vLLM's hashes
+    # kvsvc's keys map back to vLLM's hashes
+    assert stored == own, (stored, own, step(run, "flush1")["rounds"])
     assert not sub.hashes("BlockRemoved", kvsvc=True, before=killed)
     removed = sub.hashes("BlockRemoved", kvsvc=True, after=killed)
     assert removed == stored, (removed, stored)
