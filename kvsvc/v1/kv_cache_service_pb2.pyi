@@ -93,6 +93,8 @@ class _RemovalReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Removal
     """Dropped after a failed integrity check."""
     REMOVAL_REASON_TIER_DROPPED: _RemovalReason.ValueType  # 5
     """The tier no longer holds it (a miss, an error, a restart of the tier)."""
+    REMOVAL_REASON_DROPPED: _RemovalReason.ValueType  # 6
+    """Its namespace was dropped (DropNamespace)."""
 
 class RemovalReason(_RemovalReason, metaclass=_RemovalReasonEnumTypeWrapper):
     """Why keys left a tier."""
@@ -108,6 +110,8 @@ REMOVAL_REASON_CHECK_FAILED: RemovalReason.ValueType  # 4
 """Dropped after a failed integrity check."""
 REMOVAL_REASON_TIER_DROPPED: RemovalReason.ValueType  # 5
 """The tier no longer holds it (a miss, an error, a restart of the tier)."""
+REMOVAL_REASON_DROPPED: RemovalReason.ValueType  # 6
+"""Its namespace was dropped (DropNamespace)."""
 Global___RemovalReason: _TypeAlias = RemovalReason  # noqa: Y015
 
 class _ClearReason:
@@ -1169,6 +1173,101 @@ class GetServerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class DropNamespaceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    """One of the caller's namespaces, as its other calls name it."""
+    @_builtins.property
+    def header(self) -> Global___RequestHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___RequestHeader | None = ...,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceRequest: _TypeAlias = DropNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class DropNamespaceResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_CHUNKS_FIELD_NUMBER: _builtins.int
+    DROPPED_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_CHUNKS_FIELD_NUMBER: _builtins.int
+    DISK_BYTES_FIELD_NUMBER: _builtins.int
+    REDIS_KEYS_FIELD_NUMBER: _builtins.int
+    REDIS_COMPLETE_FIELD_NUMBER: _builtins.int
+    SERVER_START_ID_FIELD_NUMBER: _builtins.int
+    dropped_chunks: _builtins.int
+    """Chunks dropped from the memory store, and their bytes."""
+    dropped_bytes: _builtins.int
+    disk_chunks: _builtins.int
+    """Chunk files dropped from the disk tier (0 without one), and their bytes."""
+    disk_bytes: _builtins.int
+    redis_keys: _builtins.int
+    """Redis keys unlinked (0 without the tier, or when Redis did not answer within
+    --remote-timeout: see redis_complete).
+    """
+    redis_complete: _builtins.bool
+    """False when the server has a Redis tier and could not finish its scan; what is
+    left there is still keyed under the namespace and expires with --remote-ttl.
+    """
+    server_start_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        dropped_chunks: _builtins.int = ...,
+        dropped_bytes: _builtins.int = ...,
+        disk_chunks: _builtins.int = ...,
+        disk_bytes: _builtins.int = ...,
+        redis_keys: _builtins.int = ...,
+        redis_complete: _builtins.bool = ...,
+        server_start_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "dropped_bytes", b"dropped_bytes", "dropped_chunks", b"dropped_chunks", "redis_complete", b"redis_complete", "redis_keys", b"redis_keys", "server_start_id", b"server_start_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropNamespaceResult: _TypeAlias = DropNamespaceResult  # noqa: Y015
+
+@_typing.final
+class DropNamespaceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___DropNamespaceResult: ...
+    @_builtins.property
+    def error(self) -> _error_pb2.RemoteError: ...
+    def __init__(
+        self,
+        *,
+        result: Global___DropNamespaceResult | None = ...,
+        error: _error_pb2.RemoteError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___DropNamespaceResponse: _TypeAlias = DropNamespaceResponse  # noqa: Y015
 
 @_typing.final
 class SessionRequest(_message.Message):

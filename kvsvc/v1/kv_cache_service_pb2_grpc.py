@@ -84,6 +84,11 @@ class KVCacheServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.DropNamespace = channel.unary_unary(
+                '/kvsvc.v1.KVCacheService/DropNamespace',
+                request_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -167,6 +172,17 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropNamespace(self, request, context):
+        """Drops every chunk of one of the caller's namespaces at once (e.g. a user
+        deleted, one cache salt's namespace): from memory (a chunk being read is
+        freed by its last reader; one being written is not kept) and from the disk
+        and Redis tiers the server has. Removals are announced on WatchEvents with
+        REMOVAL_REASON_DROPPED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +230,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'DropNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropNamespace,
+                    request_deserializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -464,6 +485,33 @@ class KVCacheService:
             '/kvsvc.v1.KVCacheService/WatchEvents',
             kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsRequest.SerializeToString,
             kvsvc_dot_v1_dot_kv__cache__service__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.KVCacheService/DropNamespace',
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kv__cache__service__pb2.DropNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,6 +68,13 @@ class KVCacheServiceStub:
     stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
     silence. Retrieve stays the authority: an event is a hint.
     """
+    DropNamespace: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.DropNamespaceRequest, _kv_cache_service_pb2.DropNamespaceResponse]
+    """Drops every chunk of one of the caller's namespaces at once (e.g. a user
+    deleted, one cache salt's namespace): from memory (a chunk being read is
+    freed by its last reader; one being written is not kept) and from the disk
+    and Redis tiers the server has. Removals are announced on WatchEvents with
+    REMOVAL_REASON_DROPPED.
+    """
 
 @_typing.type_check_only
 class KVCacheServiceAsyncStub(KVCacheServiceStub):
@@ -108,6 +115,13 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     what is present, then live events from exactly where the snapshot ends. The
     stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
     silence. Retrieve stays the authority: an event is a hint.
+    """
+    DropNamespace: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.DropNamespaceRequest, _kv_cache_service_pb2.DropNamespaceResponse]  # type: ignore[assignment]
+    """Drops every chunk of one of the caller's namespaces at once (e.g. a user
+    deleted, one cache salt's namespace): from memory (a chunk being read is
+    freed by its last reader; one being written is not kept) and from the disk
+    and Redis tiers the server has. Removals are announced on WatchEvents with
+    REMOVAL_REASON_DROPPED.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -200,6 +214,19 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         what is present, then live events from exactly where the snapshot ends. The
         stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
         silence. Retrieve stays the authority: an event is a hint.
+        """
+
+    @_abc_1.abstractmethod
+    def DropNamespace(
+        self,
+        request: _kv_cache_service_pb2.DropNamespaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_cache_service_pb2.DropNamespaceResponse, _abc.Awaitable[_kv_cache_service_pb2.DropNamespaceResponse]]:
+        """Drops every chunk of one of the caller's namespaces at once (e.g. a user
+        deleted, one cache salt's namespace): from memory (a chunk being read is
+        freed by its last reader; one being written is not kept) and from the disk
+        and Redis tiers the server has. Removals are announced on WatchEvents with
+        REMOVAL_REASON_DROPPED.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -45,6 +45,12 @@ type KVCacheServiceClient interface {
 	// stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
 	// silence. Retrieve stays the authority: an event is a hint.
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (KVCacheService_WatchEventsClient, error)
+	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
+	// deleted, one cache salt's namespace): from memory (a chunk being read is
+	// freed by its last reader; one being written is not kept) and from the disk
+	// and Redis tiers the server has. Removals are announced on WatchEvents with
+	// REMOVAL_REASON_DROPPED.
+	DropNamespace(ctx context.Context, in *DropNamespaceRequest, opts ...grpc.CallOption) (*DropNamespaceResponse, error)
 }
 
 type kVCacheServiceClient struct {
@@ -181,6 +187,15 @@ func (x *kVCacheServiceWatchEventsClient) Recv() (*WatchEventsResponse, error) {
 	return m, nil
 }
 
+func (c *kVCacheServiceClient) DropNamespace(ctx context.Context, in *DropNamespaceRequest, opts ...grpc.CallOption) (*DropNamespaceResponse, error) {
+	out := new(DropNamespaceResponse)
+	err := c.cc.Invoke(ctx, "/kvsvc.v1.KVCacheService/DropNamespace", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // KVCacheServiceServer is the server API for KVCacheService service.
 // All implementations must embed UnimplementedKVCacheServiceServer
 // for forward compatibility
@@ -213,6 +228,12 @@ type KVCacheServiceServer interface {
 	// stream ends with a RemoteError (e.g. NOT_SERVING, UNAUTHENTICATED), never in
 	// silence. Retrieve stays the authority: an event is a hint.
 	WatchEvents(*WatchEventsRequest, KVCacheService_WatchEventsServer) error
+	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
+	// deleted, one cache salt's namespace): from memory (a chunk being read is
+	// freed by its last reader; one being written is not kept) and from the disk
+	// and Redis tiers the server has. Removals are announced on WatchEvents with
+	// REMOVAL_REASON_DROPPED.
+	DropNamespace(context.Context, *DropNamespaceRequest) (*DropNamespaceResponse, error)
 	mustEmbedUnimplementedKVCacheServiceServer()
 }
 
@@ -246,6 +267,9 @@ func (UnimplementedKVCacheServiceServer) Session(KVCacheService_SessionServer) e
 }
 func (UnimplementedKVCacheServiceServer) WatchEvents(*WatchEventsRequest, KVCacheService_WatchEventsServer) error {
 	return status.Errorf(codes.Unimplemented, "method WatchEvents not implemented")
+}
+func (UnimplementedKVCacheServiceServer) DropNamespace(context.Context, *DropNamespaceRequest) (*DropNamespaceResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method DropNamespace not implemented")
 }
 func (UnimplementedKVCacheServiceServer) mustEmbedUnimplementedKVCacheServiceServer() {}
 
@@ -433,6 +457,24 @@ func (x *kVCacheServiceWatchEventsServer) Send(m *WatchEventsResponse) error {
 	return x.ServerStream.SendMsg(m)
 }
 
+func _KVCacheService_DropNamespace_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DropNamespaceRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVCacheServiceServer).DropNamespace(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/kvsvc.v1.KVCacheService/DropNamespace",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVCacheServiceServer).DropNamespace(ctx, req.(*DropNamespaceRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "kvsvc.v1.KVCacheService",
 	HandlerType: (*KVCacheServiceServer)(nil),
@@ -464,6 +506,10 @@ var _KVCacheService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetServerInfo",
 			Handler:    _KVCacheService_GetServerInfo_Handler,
+		},
+		{
+			MethodName: "DropNamespace",
+			Handler:    _KVCacheService_DropNamespace_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
