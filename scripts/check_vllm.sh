@@ -9,7 +9,9 @@
 #      The tests' own small extras (TEST_EXTRAS: msgpack decodes vLLM's KV events,
 #      pytest-asyncio for pyproject's asyncio_mode) are installed each run too, so
 #      that adding one does not rebuild the 3.5 GB venv.
-#   2. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
+#   2. installs vllm==0.33.0 --no-deps into $VENV/vllm-0.33 (kept while the pin holds)
+#      for test_versions.py and a second run of test_tier.py under 0.33;
+#   3. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
 #      skip into a failure (the main venv's pytest skips those tests: no vLLM), then
 #      benchmarks/vllm_tier.py at smoke size.
 # Env: VLLM_VENV (default .venv-vllm).
@@ -37,9 +39,31 @@ TEST_EXTRAS="msgpack pytest-asyncio"
 # shellcheck disable=SC2086
 "$VENV/bin/pip" install -q $TEST_EXTRAS
 
+# vLLM 0.33's wheel without its dependencies (vllm 0.33 pins torch 2.14), in a folder
+# of the venv, so it is cached and removed with it: test_versions.py puts it first on
+# PYTHONPATH (.venv-vllm's torch and packages serve its imports) to check kvsvc's
+# classes against 0.33's base classes (~11 s to install: one 336 MB wheel).
+NEXT_PIN="vllm==0.33.0"
+NEXT="$VENV/vllm-0.33"
+if [[ -f "$NEXT/.kvsvc-pin" && "$(cat "$NEXT/.kvsvc-pin")" == "$NEXT_PIN" ]]; then
+  echo "vllm: keeping $NEXT ($NEXT_PIN)"
+else
+  echo "vllm: installing $NEXT_PIN --no-deps into $NEXT"
+  t0=$SECONDS
+  rm -rf "$NEXT"
+  "$VENV/bin/pip" install -q --no-deps --target "$NEXT" "$NEXT_PIN"
+  echo "$NEXT_PIN" >"$NEXT/.kvsvc-pin"
+  echo "vllm: $NEXT_PIN installed in $((SECONDS - t0)) s"
+fi
+KVSVC_VLLM_033="$(cd "$NEXT" && pwd)"
+export KVSVC_VLLM_033
+
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/vllm "$@"
+# KvsvcTier under vLLM 0.33's own tiering manager too (no engine: 0.33 has no CPU build).
+PYTHONPATH="$KVSVC_VLLM_033" KVSVC_VLLM_EXPECT=0.33 "$VENV/bin/python" -m pytest -q \
+  -p no:cacheprovider --timeout 900 tests/e2e/vllm/test_tier.py -k "not killed and not deadline"
 # The offloading tier's per-call cost at smoke size, so the benchmark cannot rot (~15 s).
 "$VENV/bin/python" -m benchmarks.vllm_tier --smoke --out bench-results/vllm-smoke
 echo "vllm: done in $((SECONDS - start)) s"

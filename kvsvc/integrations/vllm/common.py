@@ -14,7 +14,7 @@ from typing import Any
 
 import vllm
 
-TESTED_VERSIONS = ("0.32",)
+TESTED_VERSIONS = ("0.32", "0.33")
 VLLM_VERSION = ".".join(str(vllm.__version__).split(".")[:2])
 if VLLM_VERSION not in TESTED_VERSIONS:
     raise ImportError(

@@ -17,6 +17,7 @@ an exception into the engine.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,6 +47,9 @@ def _guarded(default: Callable[..., T]) -> Callable[[Callable[..., T]], Callable
     return ``default(self, *args)`` instead."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        # wraps: the hook keeps the signature vLLM's base declares (inspect follows
+        # __wrapped__; tests/e2e/vllm/test_versions.py compares them).
+        @functools.wraps(fn)
         def hook(self: Any, *args: Any, **kwargs: Any) -> T:
             try:
                 return fn(self, *args, **kwargs)
@@ -57,8 +61,6 @@ def _guarded(default: Callable[..., T]) -> Callable[[Callable[..., T]], Callable
                 log.debug("traceback", exc_info=True)
                 return default(self, *args)
 
-        hook.__name__ = fn.__name__
-        hook.__doc__ = fn.__doc__
         return hook
 
     return wrap
@@ -119,11 +121,31 @@ class KvsvcConnector(KVConnectorBase_V1):
         KVEventBatch it publishes (called each step, events on or off)."""
         return self.sched.take_events() if self.sched is not None else []
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks; its config then refuses ``enable_sleep_mode``): kvsvc
+        maps the KV cache's memory once, and sleep frees and remaps that memory."""
+        return False
+
     # --- worker side ---
     @_guarded(lambda self, *a: None)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+
+    @_guarded(lambda self, *a: None)
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before its KV memory is freed (never with sleep mode, which
+        ``supports_sleep_mode`` refuses): kvsvc stops using that memory for good."""
+        if self.worker is not None:
+            self.worker.detach()
+
+    @_guarded(lambda self, *a: None)
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, after its KV memory is back: nothing proves it is the memory
+        kvsvc mapped, so the connector stays detached (misses; vLLM computes)."""
+        if self.worker is not None:
+            self.worker.restored()
 
     @_guarded(lambda self, *a: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -93,8 +93,14 @@ class HostCopyWorker(OffloadingWorker):
         return self._copy(job_id, src_spec, dst_spec, src_spec, to_host=True)
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, *_: Any
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
     ) -> bool:
+        """``expedited`` (vLLM 0.33 passes it by name): every copy ends before
+        ``submit_*`` returns, so none queues behind another."""
         return self._copy(job_id, src_spec, dst_spec, dst_spec, to_host=False)
 
     def _copy(

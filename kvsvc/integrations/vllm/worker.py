@@ -69,6 +69,7 @@ class KvsvcConnectorWorker:
         self.mm: mmap.mmap | None = None
         self.mapping: MappingHandle | None = None  # None: not usable now
         self.known: MappingHandle | None = None  # the last one made
+        self.detached = False  # unregister_kv_caches: the KV memory is never used again
         self.transfers: list[_Transfer] = []  # in flight or unproven
         self.recv_done: set[str] = set()
         self.recv_failed_reqs: set[str] = set()
@@ -98,10 +99,28 @@ class KvsvcConnectorWorker:
         self.thread.start()
         self.wake.set()
 
+    def detach(self) -> None:
+        """vLLM frees (or remaps) the KV memory next: no transfer starts after this
+        (loads fail, so vLLM computes; stores are skipped) and the mapping is not
+        made again. Transfers still unproven keep their blocks as before."""
+        with self.lock:
+            if self.detached:
+                return
+            self.detached = True
+            self.mapping = None
+        log.warning("kvsvc connector (worker tp rank %d): KV caches unregistered", self.rank)
+
+    def restored(self) -> None:
+        if self.detached:
+            self.warn.warning(
+                "kvsvc connector: KV caches restored, but kvsvc cannot prove they are the "
+                "memory it mapped: it stays off until the engine restarts"
+            )
+
     def _connect(self) -> None:
         """Pass the memfd and Map (again, after a restart or an outage)."""
         client = self.link.get()
-        if client is None or self.region is None:
+        if client is None or self.region is None or self.detached:
             return
         try:
             info = client.server_info(timeout=self.cfg.fence_timeout_s)
@@ -109,6 +128,8 @@ class KvsvcConnectorWorker:
             if known is not None and info.server_start_id == known.server_start_id:
                 # The same server start (only the channel failed): its mapping holds.
                 with self.lock:
+                    if self.detached:
+                        return
                     self.mapping = known
                 log.info("kvsvc: reconnected; mapping %s still holds", known.mapping_id)
                 return
@@ -129,6 +150,8 @@ class KvsvcConnectorWorker:
             )
             return
         with self.lock:
+            if self.detached:  # unregistered while this Map ran
+                return
             self.mapping = self.known = mapping
         log.info(
             "kvsvc: mapped as %s (server start %s)", mapping.mapping_id, mapping.server_start_id

@@ -25,6 +25,13 @@ if not HAVE_VLLM and REQUIRED:
     raise RuntimeError(
         "KVSVC_VLLM_REQUIRED=1 but vLLM is not importable: run `make vllm` (it makes .venv-vllm)"
     )
+# check_vllm.sh runs test_tier.py again with vLLM 0.33 first on PYTHONPATH: it says so.
+EXPECT = os.environ.get("KVSVC_VLLM_EXPECT", "")
+if EXPECT and HAVE_VLLM:
+    import vllm
+
+    if not str(vllm.__version__).startswith(EXPECT + "."):
+        raise RuntimeError(f"KVSVC_VLLM_EXPECT={EXPECT} but vLLM {vllm.__version__} imported")
 
 
 @pytest.hookimpl(hookwrapper=True)
