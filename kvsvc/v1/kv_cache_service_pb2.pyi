@@ -616,7 +616,13 @@ class BlockChunks(_message.Message):
 
     MAPPING_ID_FIELD_NUMBER: _builtins.int
     CHUNKS_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
     mapping_id: _builtins.str
+    namespace: _builtins.str
+    """The namespace of these chunks when it is not the mapping's (e.g. one cache
+    salt's of an engine that maps its KV once): granted to the caller like any
+    namespace; the chunks keep the mapping's layout. Empty: the mapping's.
+    """
     @_builtins.property
     def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockChunk]: ...
     def __init__(
@@ -624,10 +630,11 @@ class BlockChunks(_message.Message):
         *,
         mapping_id: _builtins.str = ...,
         chunks: _abc.Iterable[Global___BlockChunk] | None = ...,
+        namespace: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "mapping_id", b"mapping_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "mapping_id", b"mapping_id", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
