@@ -111,7 +111,19 @@ GET = Call("Retrieve", pb.RetrieveResult, TRANSFER, Lease.NONE)
 LOOKUP = Call("Lookup", pb.LookupResult, CONTROL, Lease.NONE)
 FENCE = Call("Fence", pb.FenceResult, TRANSFER, Lease.FENCE)
 SERVER_INFO = Call("GetServerInfo", pb.GetServerInfoResult, CONTROL, Lease.NONE)
-CALLS: tuple[Call[Any], ...] = (MAP, UNMAP, STORE, RETRIEVE, PUT, GET, LOOKUP, FENCE, SERVER_INFO)
+DROP_NAMESPACE = Call("DropNamespace", pb.DropNamespaceResult, CONTROL, Lease.NONE)
+CALLS: tuple[Call[Any], ...] = (
+    MAP,
+    UNMAP,
+    STORE,
+    RETRIEVE,
+    PUT,
+    GET,
+    LOOKUP,
+    FENCE,
+    SERVER_INFO,
+    DROP_NAMESPACE,
+)
 
 
 @dataclass
@@ -391,37 +403,61 @@ def unmap(c: Core, mapping: MappingHandle, *, timeout: Timeout = DEFAULT) -> Ste
 
 
 def store(
-    c: Core, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
+    c: Core,
+    mapping: MappingHandle,
+    chunks: BlockChunkList,
+    *,
+    namespace: str | None = None,
+    timeout: Timeout = DEFAULT,
 ) -> Steps[pb.StoreResult]:
     """Copy the chunks' blocks into the store (re-mapped once after a server restart
-    with ``remap_on_restart``)."""
+    with ``remap_on_restart``), under the mapping's namespace or ``namespace``."""
     return (
-        yield from _remapping(c, mapping, lambda: _transfer(c, STORE, mapping, chunks, timeout))
+        yield from _remapping(
+            c, mapping, lambda: _transfer(c, STORE, mapping, chunks, timeout, namespace)
+        )
     )
 
 
 def retrieve(
-    c: Core, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
+    c: Core,
+    mapping: MappingHandle,
+    chunks: BlockChunkList,
+    *,
+    namespace: str | None = None,
+    timeout: Timeout = DEFAULT,
 ) -> Steps[pb.RetrieveResult]:
     """Copy stored chunks into the blocks (re-mapped once after a server restart
     with ``remap_on_restart``)."""
     return (
-        yield from _remapping(c, mapping, lambda: _transfer(c, RETRIEVE, mapping, chunks, timeout))
+        yield from _remapping(
+            c, mapping, lambda: _transfer(c, RETRIEVE, mapping, chunks, timeout, namespace)
+        )
     )
 
 
 def store_async(
-    c: Core, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
+    c: Core,
+    mapping: MappingHandle,
+    chunks: BlockChunkList,
+    *,
+    namespace: str | None = None,
+    timeout: Timeout = DEFAULT,
 ) -> Steps[pb.StoreResult]:
     """``store`` as a future, without re-mapping; its deadline bounds it."""
-    return _send(_transfer(c, STORE, mapping, chunks, timeout))  # checked now, not when run
+    return _send(_transfer(c, STORE, mapping, chunks, timeout, namespace))  # checked now
 
 
 def retrieve_async(
-    c: Core, mapping: MappingHandle, chunks: BlockChunkList, *, timeout: Timeout = DEFAULT
+    c: Core,
+    mapping: MappingHandle,
+    chunks: BlockChunkList,
+    *,
+    namespace: str | None = None,
+    timeout: Timeout = DEFAULT,
 ) -> Steps[pb.RetrieveResult]:
     """``retrieve`` as a future, without re-mapping; its deadline bounds it."""
-    return _send(_transfer(c, RETRIEVE, mapping, chunks, timeout))
+    return _send(_transfer(c, RETRIEVE, mapping, chunks, timeout, namespace))
 
 
 def store_many(
@@ -429,11 +465,12 @@ def store_many(
     mapping: MappingHandle,
     requests: Sequence[BlockChunkList],
     *,
+    namespace: str | None = None,
     timeout: Timeout = DEFAULT,
 ) -> Steps[list[pb.StoreResult | KVServiceError]]:
     """Several Stores at once, each with its own deadline and leases (pipelined
     on the session): each entry is that Store's result or its typed error."""
-    plans = [_transfer(c, STORE, mapping, chunks, timeout) for chunks in requests]
+    plans = [_transfer(c, STORE, mapping, chunks, timeout, namespace) for chunks in requests]
     return (yield from _parallel(plans))
 
 
@@ -442,10 +479,11 @@ def retrieve_many(
     mapping: MappingHandle,
     requests: Sequence[BlockChunkList],
     *,
+    namespace: str | None = None,
     timeout: Timeout = DEFAULT,
 ) -> Steps[list[pb.RetrieveResult | KVServiceError]]:
     """Several Retrieves at once, as ``store_many``."""
-    plans = [_transfer(c, RETRIEVE, mapping, chunks, timeout) for chunks in requests]
+    plans = [_transfer(c, RETRIEVE, mapping, chunks, timeout, namespace) for chunks in requests]
     return (yield from _parallel(plans))
 
 
@@ -483,6 +521,15 @@ def server_info(c: Core, *, timeout: Timeout = DEFAULT) -> Steps[pb.GetServerInf
     return (
         yield from _send(c._plan(SERVER_INFO, pb.GetServerInfoRequest(header=_header()), timeout))
     )
+
+
+def drop_namespace(
+    c: Core, namespace: str, *, timeout: Timeout = DEFAULT
+) -> Steps[pb.DropNamespaceResult]:
+    """Drop every chunk of one of the caller's namespaces, in every tier the server
+    has (``redis_complete`` False: Redis did not finish within the deadline)."""
+    req = pb.DropNamespaceRequest(header=_header(), namespace=namespace)
+    return (yield from _send(c._plan(DROP_NAMESPACE, req, timeout)))
 
 
 def register_memfd(
@@ -566,11 +613,19 @@ def _remapping(c: Core, mapping: MappingHandle, make: Callable[[], Plan[ResT]]) 
 
 
 def _transfer(
-    c: Core, call: Call[ResT], mapping: MappingHandle, chunks: BlockChunkList, timeout: Timeout
+    c: Core,
+    call: Call[ResT],
+    mapping: MappingHandle,
+    chunks: BlockChunkList,
+    timeout: Timeout,
+    namespace: str | None = None,
 ) -> Plan[ResT]:
+    """A block Store or Retrieve (``namespace``: another of the caller's namespaces
+    than the mapping's, e.g. a cache salt's; the chunks keep the mapping's layout)."""
     body = pb.BlockChunks(
         mapping_id=mapping.mapping_id,
         chunks=[pb.BlockChunk(key=key, block_ids=list(ids)) for key, ids in chunks],
+        namespace=namespace or "",
     )
     blocks = frozenset(b for _, ids in chunks for b in ids)
     return c._plan(call, call.request(header=_header(), blocks=body), timeout, mapping, blocks)

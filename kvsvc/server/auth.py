@@ -12,7 +12,8 @@ JSON, re-read on SIGHUP (a bad file keeps the tables in force)::
         "cert_names": ["engine-a.example"],
         "namespaces": ["llama3/*", "shared"],
         "shm_uids": [1000],
-        "quota": {"store_share": 0.5, "max_mappings": 16, "max_inflight": 64, "max_fds": 64}}}}
+        "quota": {"store_share": 0.5, "namespace_share": 0.25,
+                  "max_mappings": 16, "max_inflight": 64, "max_fds": 64}}}}
 
 Tokens are kept only as SHA-256 digests and compared with
 ``hmac.compare_digest``; a token is never logged. A missing, unknown or expired
@@ -62,9 +63,12 @@ CANCEL_WAIT_S = 1.0
 @dataclass(frozen=True)
 class Quota:
     """A tenant's limits; 0 = no per-tenant limit. ``store_share``: the fraction of
-    --store-bytes it may hold before eviction takes from it first."""
+    --store-bytes it may hold before eviction takes from it first;
+    ``namespace_share``: the fraction of that share any one of its namespaces may
+    hold before eviction takes from that namespace first (None: --namespace-share)."""
 
     store_share: float = 1.0
+    namespace_share: float | None = None
     max_mappings: int = 0
     max_inflight: int = 0
     max_fds: int = 0
@@ -181,11 +185,22 @@ def parse_tables(data: object) -> Tables:
         except TypeError:
             keys = list(Quota.__annotations__)
             raise TenantFileError(f"{where}: quota keys are {keys}") from None
+        share = quota.namespace_share
         if (
             not 0 < quota.store_share <= 1
+            or (
+                share is not None
+                and (
+                    not isinstance(share, (int, float))
+                    or isinstance(share, bool)
+                    or not 0 < share <= 1
+                )
+            )
             or min(quota.max_mappings, quota.max_inflight, quota.max_fds) < 0
         ):
-            raise TenantFileError(f"{where}: store_share is in (0, 1], limits are >= 0")
+            raise TenantFileError(
+                f"{where}: store_share and namespace_share are in (0, 1], limits are >= 0"
+            )
         tenant = Tenant(
             name,
             tuple(namespaces),

@@ -3,9 +3,10 @@ store, the Redis tier, the transfer engine, the fd socket, metrics) and names ea
 RPC's response type and handler, every one run through the one wrapper
 (kvsvc.server.rpc). Where each RPC is handled: Map and Unmap in
 kvsvc.server.mappings; Store, Retrieve and Fence in kvsvc.server.transfers;
-Lookup in kvsvc.server.lookup; the Session stream in kvsvc.server.session;
-the WatchEvents stream in kvsvc.server.events; GetServerInfo here. Start, signals
-and stop: kvsvc.server.lifecycle."""
+Lookup in kvsvc.server.lookup; DropNamespace in kvsvc.server.namespaces; the
+Session stream in kvsvc.server.session; the WatchEvents stream in
+kvsvc.server.events; GetServerInfo here. Start, signals and stop:
+kvsvc.server.lifecycle."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kvsvc.server.health import Health
 from kvsvc.server.lookup import Lookups
 from kvsvc.server.mappings import Mapper
 from kvsvc.server.metrics import Metrics
+from kvsvc.server.namespaces import Namespaces
 from kvsvc.server.rpc import LOGGER, Call, rpc
 from kvsvc.server.session import Sessions
 from kvsvc.server.tiers.disk import DiskTier
@@ -110,6 +112,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self.transfers.disk = self.disk
         self.lookups = Lookups(self.store, self.remote, self.mapper, self.metrics, self.start_id)
         self.lookups.disk = self.disk
+        self.namespaces = Namespaces(self.store, self.events, self.disk, self.remote, self.start_id)
         #: what large requests may hold at once (kvsvc.server.data.budget)
         self.budget = InlineBudget(config.data.inline_budget_bytes, lambda: self.store.capacity)
         self.sessions = Sessions(self, self.loop, self.budget)
@@ -206,6 +209,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, request: pb.LookupRequest, call: Call
     ) -> pb.LookupResponse | Coroutine[Any, Any, pb.LookupResponse]:
         return self.lookups.Lookup(request, call)  # plain: no coroutine when nothing waits
+
+    @rpc(pb.DropNamespaceResponse)
+    async def DropNamespace(
+        self, request: pb.DropNamespaceRequest, call: Call
+    ) -> pb.DropNamespaceResult:
+        return await self.namespaces.DropNamespace(request, call)
 
     async def Session(  # type: ignore[override]  # answers by context.write, not by yield
         self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext

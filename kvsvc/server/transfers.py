@@ -71,10 +71,18 @@ class Transfers:
         the tenant's share current (a reloaded tenant file takes effect here)."""
         tenant = call.tenant
         quota = tenant.quota
+        share = int(self.store.capacity * quota.store_share)
         if quota.store_share < 1:
-            self.store.shares[tenant.name] = int(self.store.capacity * quota.store_share)
+            self.store.shares[tenant.name] = share
         else:
             self.store.shares.pop(tenant.name, None)
+        per_namespace = quota.namespace_share
+        if per_namespace is None:
+            per_namespace = self.config.data.namespace_share
+        if per_namespace < 1:
+            self.store.namespace_shares[tenant.name] = int(share * per_namespace)
+        else:
+            self.store.namespace_shares.pop(tenant.name, None)
         if quota.max_inflight:
             prefix = tenant.scoped("")
             running = sum(1 for tid in self.engine.inflight if tid.startswith(prefix))
@@ -93,7 +101,11 @@ class Transfers:
                 (c.key, Blocks(mapping, list(c.block_ids), i)) for i, c in enumerate(blocks.chunks)
             ]
             check_keys([k for k, _ in sides])
-            return mapping.namespace, mapping.fingerprint, mapping.mapping_id, sides
+            # Another of the caller's namespaces (a cache salt's), in the mapping's layout.
+            namespace = (
+                check_namespace(blocks.namespace, call) if blocks.namespace else mapping.namespace
+            )
+            return namespace, mapping.fingerprint, mapping.mapping_id, sides
         inline = request.inline
         namespace = check_namespace(inline.namespace, call)
         if group == "source":

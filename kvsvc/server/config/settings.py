@@ -18,6 +18,7 @@ from kvsvc.server.config.values import (
     boolean,
     choice,
     format_size,
+    fraction,
     int_up_to,
     listen_address,
     non_negative_int,
@@ -75,6 +76,15 @@ class DataPlaneSettings:
         "chunk store capacity (suffixes K, M, G; MiB/GiB accepted); least recently used "
         "chunks are evicted beyond it",
         shows=format_size,
+    )
+    namespace_share: float = setting(
+        1.0,
+        fraction,
+        "fraction of its tenant's share of the store (of the store for the default tenant) "
+        "that any one namespace may hold before eviction takes from that namespace first, "
+        "so one namespace's burst (e.g. one cache salt's, see docs/vllm.md) evicts its own "
+        "chunks before its neighbours'; a tenant's `namespace_share` quota overrides it",
+        note="off",
     )
     shm_dir: str = setting(
         "/dev/shm",

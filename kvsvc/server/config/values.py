@@ -61,6 +61,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def fraction(text: str) -> float:
+    """A share: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return value
+
+
 def _whole(text: str, least: int) -> int:
     try:
         value = int(text)

@@ -13,6 +13,11 @@ another's. Every byte the server keeps for a chunk (its key and namespace too)
 counts against the capacity, and a Store reserves all its chunks or none: the
 eviction plan is made before anything is evicted, so a Store that fails evicts
 nothing.
+
+Eviction weighs owners (tenants) by their share of the store, and with namespace
+shares (kvsvc.server.auth.Quota.namespace_share) each namespace by its share of
+its owner's: a burst in one namespace evicts that namespace's own chunks first.
+``drop_namespace`` discards one namespace's chunks at once (a user deleted).
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class Chunk:
     owner: str = ""
     #: dropped while read-pinned (ChunkStore.discard): freed by its last release
     discarded: bool = False
+    #: the store's count of namespace drops when it was reserved: a chunk whose
+    #: namespace was dropped since is not committed (ChunkStore.drop_namespace)
+    drops: int = 0
 
     @property
     def charged(self) -> int:
@@ -82,7 +90,7 @@ class StoreListener(Protocol):
     def stored(self, chunk: Chunk) -> None: ...
 
     def removed(self, chunk: Chunk, reason: str) -> None:
-        """``reason``: "evicted", "check_failed", "overwritten" or "cleared"."""
+        """``reason``: "evicted", "check_failed", "overwritten", "dropped" or "cleared"."""
 
 
 class ChunkStore:
@@ -117,6 +125,15 @@ class ChunkStore:
         #: eviction takes from owners over their share first
         self.used_by: dict[str, int] = {}
         self.shares: dict[str, int] = {}
+        #: bytes each namespace holds (no entry: none), and per owner the bytes any one
+        #: of its namespaces may hold before eviction takes from that namespace first
+        self.used_in: dict[str, int] = {}
+        self.namespace_shares: dict[str, int] = {}
+        #: namespace drops so far, the count at each namespace's last drop (kept while
+        #: chunks reserved before it may still commit), and the chunks reserved now
+        self._drops = 0
+        self._dropped_at: dict[str, int] = {}
+        self._reserved = 0
         self.evicted_total = 0
         self.checksum_failures = 0
         #: told of every commit and removal (the events stream, lower tiers)
@@ -198,8 +215,18 @@ class ChunkStore:
     def _uncharge(self, chunk: Chunk) -> None:
         """Give a discarded chunk's range and charge back."""
         _free_range(self._free, chunk.offset, chunk.alloc_size)
+        self._uncount(chunk)
+
+    def _uncount(self, chunk: Chunk) -> None:
+        """Take a chunk's charge off the totals, its owner's and its namespace's."""
         self.used_bytes -= chunk.charged
         self.used_by[chunk.owner] -= chunk.charged
+        namespace = chunk.key[0]
+        left = self.used_in[namespace] - chunk.charged
+        if left:
+            self.used_in[namespace] = left
+        else:
+            del self.used_in[namespace]
 
     def buffer(self, chunk: Chunk) -> ChunkBuffer:
         """The chunk's bytes as the copy pieces see them (and check them)."""
@@ -237,8 +264,8 @@ class ChunkStore:
         free = list(self._free)
         used = self.used_bytes
         candidates = (
-            self._share_order(owner, sum(allocs) + sum(metas))
-            if self.shares
+            self._share_order(owner, namespace, need)
+            if self.shares or self.namespace_shares
             else (c for c in self._chunks.values() if c.readers == 0)  # LRU first
         )
         victims: list[Chunk] = []
@@ -272,6 +299,8 @@ class ChunkStore:
         self.evicted_total += len(victims)
         self.used_bytes += need
         self.used_by[owner] = self.used_by.get(owner, 0) + need
+        self.used_in[namespace] = self.used_in.get(namespace, 0) + need
+        self._reserved += len(wants)
         return [
             Chunk(
                 (namespace, key, layout),
@@ -281,34 +310,67 @@ class ChunkStore:
                 alloc_size=alloc,
                 meta_size=meta,
                 owner=owner,
+                drops=self._drops,
             )
             for (key, size), offset, alloc, meta in zip(wants, offsets, allocs, metas, strict=True)
         ], len(victims)
 
-    def _share_order(self, requester: str, need: int) -> Iterator[Chunk]:
-        """Eviction candidates when tenants have shares: least recently used first
-        among owners over their share (the requester counted with what it asks
-        for), then the rest by LRU. A tenant within its share loses chunks only once
-        no one is over theirs (shares that add up to more than the store)."""
+    def _share_order(self, requester: str, namespace: str, need: int) -> Iterator[Chunk]:
+        """Eviction candidates when owners have shares, least recently used first
+        within each rank: chunks of namespaces over their namespace share, then of
+        owners over their share, then the rest (the requester and its namespace
+        counted with what they ask for). A tenant or namespace within its share loses
+        chunks only once no one is over theirs (shares that add up to more than the
+        store), or when all of theirs are being read."""
         held = dict(self.used_by)
         held[requester] = held.get(requester, 0) + need
+        #: namespaces' bytes as the plan goes: self.used_in plus these changes
+        moved: dict[str, int] = {namespace: need}
+        caps = self.namespace_shares
+        used_in = self.used_in
         taken: set[int] = set()
         while True:
             over = {o for o, n in held.items() if n > self.shares.get(o, self.capacity)}
-            free = [c for c in self._chunks.values() if c.readers == 0 and id(c) not in taken]
-            # Over-share owners first; if all theirs are being read, plain LRU.
-            pick = next((c for c in free if c.owner in over), free[0] if free else None)
+            pick: Chunk | None = None
+            rank = 3
+            for c in self._chunks.values():
+                if c.readers or id(c) in taken:
+                    continue
+                cap = caps.get(c.owner)
+                ns = c.key[0]
+                if cap is not None and used_in.get(ns, 0) + moved.get(ns, 0) > cap:
+                    pick = c  # the first of the first rank: no need to look further
+                    break
+                if rank > 1 and c.owner in over:
+                    pick, rank = c, 1
+                elif pick is None:
+                    pick, rank = c, 2
             if pick is None:
                 return
             taken.add(id(pick))
             held[pick.owner] = held.get(pick.owner, 0) - pick.charged
+            moved[pick.key[0]] = moved.get(pick.key[0], 0) - pick.charged
             yield pick
 
+    def drop_namespace(self, namespace: str) -> tuple[int, int]:
+        """Discard every committed chunk of ``namespace`` (reason "dropped"; one being
+        read is freed by its last reader, see discard), and keep its chunks being
+        written now from being committed. Returns (chunks, bytes) dropped."""
+        self._drops += 1
+        if self._reserved:
+            self._dropped_at[namespace] = self._drops
+        victims = [c for c in dict.values(self._chunks) if c.key[0] == namespace]
+        for chunk in victims:
+            self.discard(chunk, "dropped")
+        return len(victims), sum(c.size for c in victims)
+
     def commit(self, chunk: Chunk, digests: list[int]) -> bool:
-        """Publish a written chunk; False (and freed) if an equal key won the race."""
-        if chunk.key in self._chunks:
+        """Publish a written chunk; False (and freed) if an equal key won the race or
+        its namespace was dropped since it was reserved."""
+        if chunk.key in self._chunks or self._dropped_at.get(chunk.key[0], 0) > chunk.drops:
             self.abort(chunk)
             return False
+        self._settled()
         chunk.digests = digests
         chunk.committed = True
         self._chunks[chunk.key] = chunk
@@ -320,8 +382,16 @@ class ChunkStore:
 
     def abort(self, chunk: Chunk) -> None:
         _free_range(self._free, chunk.offset, chunk.alloc_size)
-        self.used_bytes -= chunk.charged
-        self.used_by[chunk.owner] -= chunk.charged
+        self._uncount(chunk)
+        self._settled()
+
+    def _settled(self) -> None:
+        """One reserved chunk committed or freed: once none is left, no drop can
+        stop a commit any more."""
+        self._reserved -= 1
+        if self._reserved <= 0:
+            self._reserved = 0
+            self._dropped_at.clear()
 
     def _forget(self, chunk: Chunk) -> None:
         """Unlist an evicted chunk (its range is already back in the free list)."""
@@ -331,8 +401,7 @@ class ChunkStore:
             del self._keys[pair]
         else:
             self._keys[pair] -= 1
-        self.used_bytes -= chunk.charged
-        self.used_by[chunk.owner] -= chunk.charged
+        self._uncount(chunk)
 
 
 # --- allocator: sorted free list of (offset, size), first fit, coalescing ---

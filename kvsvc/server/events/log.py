@@ -26,6 +26,7 @@ REMOVAL_REASONS = {
     "unmapped": pb.REMOVAL_REASON_UNMAPPED,
     "cleared": pb.REMOVAL_REASON_UNSPECIFIED,
     "tier_dropped": pb.REMOVAL_REASON_TIER_DROPPED,
+    "dropped": pb.REMOVAL_REASON_DROPPED,
 }
 #: Most keys one published event gathers (a bigger Store becomes several events).
 MAX_EVENT_KEYS = 1024

@@ -92,6 +92,8 @@ class DiskTier:
         self._writing: dict[ChunkKey, Write] = {}  # the latest write of each key
         self._unlinking: dict[str, int] = {}  # files the writer is yet to remove
         self._full_logged = 0.0
+        #: namespaces dropped before the index was rebuilt: their files are dropped then
+        self._dropped_early: set[str] = set()
         self.writer = Writer(
             self.root,
             store,
@@ -151,6 +153,9 @@ class DiskTier:
             )
         self.stats.indexed_chunks = len(self.index)
         self.ready = True
+        early, self._dropped_early = self._dropped_early, set()
+        for namespace in early:
+            self.drop_namespace(namespace)
         self._make_room(0)
         if self.events is not None:
             for (namespace, chunk_key, layout), entry in self.index.entries.items():
@@ -275,6 +280,29 @@ class DiskTier:
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
+
+    def drop_namespace(self, namespace: str) -> tuple[int, int]:
+        """On the loop: forget every file of ``namespace`` (announced removed, reason
+        DROPPED) and queue their removal behind the writes queued now; its writes not
+        yet landed never will. Returns (files, bytes of their chunks). Before the index
+        is rebuilt at start, the files it will find are dropped once it is."""
+        if not self.ready:
+            self._dropped_early.add(namespace)
+        for key in [k for k in self._writing if k[0] == namespace]:
+            self.writer.supersede(self._writing.pop(key))
+        keys = [k for k in self.index.entries if k[0] == namespace]
+        names: list[str] = []
+        nbytes = 0
+        for key in keys:
+            entry = self.index.remove(key)
+            assert entry is not None
+            names.append(entry.name)
+            nbytes += entry.size
+            self._announce_removed(key, pb.REMOVAL_REASON_DROPPED)
+        for name in names:
+            self._unlinking[name] = self._unlinking.get(name, 0) + 1
+        self.writer.unlink(names)
+        return len(names), nbytes
 
     def _unlinked(self, names: list[str]) -> None:
         for name in names:

@@ -4,13 +4,25 @@ check, close)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
+import time
+from typing import Any
 
 from kvsvc.server.config import ConfigError
 from kvsvc.server.tiers.redis.connection import reuse_freed_memory
 from kvsvc.server.tiers.redis.fetch import Fetches
-from kvsvc.server.tiers.redis.health import AUTH, Unresolved, caused_by, error_kind, log
+from kvsvc.server.tiers.redis.health import (
+    AUTH,
+    Skipped,
+    Unresolved,
+    caused_by,
+    error_kind,
+    log,
+)
 from kvsvc.server.tiers.redis.runs import Runs
+from kvsvc.server.tiers.redis.values import redis_keys
 from kvsvc.server.tiers.redis.writer import WriteBehind
 
 
@@ -67,3 +79,52 @@ class RemoteTier(Runs, Fetches, WriteBehind):
         """close(), and the loop's connections (Lookup's), within --remote-timeout."""
         self.close()
         await self._close_lookups()
+
+    async def drop_namespace(self, namespace: str, budget: float) -> tuple[int, bool]:
+        """Unlink every Redis key of ``namespace`` (each layout, each part: a SCAN
+        MATCH of its key prefix, UNLINK in batches; a cluster's every primary) on a
+        thread, within ``budget`` s. Returns (keys unlinked, whether the scan ended):
+        a Redis that fails or answers too slowly leaves the rest, counted."""
+        head = redis_keys(self.prefix, namespace, "", [b""])[0]  # prefix:ns-hex::
+        pattern = _glob_escape(head[:-1]) + b"*"  # prefix:ns-hex:<layout>:<key>[:part]
+        stop = time.monotonic() + budget
+        done = [0, False]
+
+        def drop(r: Any) -> None:
+            batch: list[bytes] = []
+            for key in r.scan_iter(match=pattern, count=DROP_SCAN_COUNT):
+                batch.append(key)
+                if len(batch) >= DROP_SCAN_COUNT:
+                    done[0] += int(r.unlink(*batch))
+                    batch = []
+                if time.monotonic() > stop:
+                    return
+            if batch:
+                done[0] += int(r.unlink(*batch))
+            done[1] = True
+
+        def run() -> None:
+            with contextlib.suppress(Skipped):  # counted, and what was done is kept
+                self._call(drop)
+
+        work = self.loop.run_in_executor(None, run)
+        try:
+            await asyncio.wait_for(asyncio.shield(work), max(budget, 0.0) + self.timeout)
+        except TimeoutError:
+            log.warning("remote tier: dropping namespace keys outlived its budget")
+        return done[0], bool(done[1])
+
+
+#: keys per SCAN step and per UNLINK
+DROP_SCAN_COUNT = 512
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """``text`` matched literally by Redis' glob patterns (the prefix may hold any
+    character; the namespace is hex)."""
+    out = bytearray()
+    for b in text:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)

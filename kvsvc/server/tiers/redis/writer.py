@@ -103,6 +103,11 @@ class WriteBehind(Connections):
         if self._closed:
             self._add(dropped_writes=len(writes))
             return
+        # A chunk dropped since it was queued (its namespace dropped, a failed check)
+        # is not written: DropNamespace's scan may already have passed its key.
+        writes = [w for w in writes if not w.chunk.discarded]
+        if not writes:
+            return
         # Each chunk's first value: header + bytes, at most part_bytes.
         stage.reset(
             sum(
