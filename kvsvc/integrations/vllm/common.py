@@ -73,6 +73,9 @@ class Op:
 
     req_id: str
     chunks: list[tuple[bytes, list[int]]]
+    #: the request's namespace when it is not the deployment's (its cache salt's,
+    #: with ``salt_namespaces``: config.salt_namespace); empty: the mapping's
+    namespace: str = ""
 
 
 @dataclass

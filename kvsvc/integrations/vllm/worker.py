@@ -213,11 +213,16 @@ class KvsvcConnectorWorker:
         if not op.chunks or mapping is None or client is None:
             raise ConnectionError("kvsvc is not connected")
         chunks = [(chunk_key(self.rank, h), b) for h, b in op.chunks]
+        namespace = op.namespace or None  # a salted request's, else the mapping's
         fut: Future[Any]
         if kind == "load":
-            fut = client.retrieve_async(mapping, chunks, timeout=self.cfg.load_timeout_s)
+            fut = client.retrieve_async(
+                mapping, chunks, namespace=namespace, timeout=self.cfg.load_timeout_s
+            )
         else:
-            fut = client.store_async(mapping, chunks, timeout=self.cfg.store_timeout_s)
+            fut = client.store_async(
+                mapping, chunks, namespace=namespace, timeout=self.cfg.store_timeout_s
+            )
         with self.lock:
             self.transfers.append(_Transfer(op.req_id, kind, fut, blocks, mapping.server_start_id))
 

@@ -2,13 +2,17 @@
 vLLM's own spec and factory, over a real /dev/shm offload file), against real
 `kvsvc serve` processes: what one engine offloads another loads bit-exact; a
 kvsvc killed mid-run is misses and failed jobs, never an exception or a hang, and
-the tier maps again once kvsvc is back; a server secured as docker/compose.yaml
-secures it is reached with the connector's token_file, tls_* and fd_socket keys."""
+the tier maps again once kvsvc is back; a chunk that fails its check (a bit flipped
+in an in-process server's store) is never reported loaded; a server secured as
+docker/compose.yaml secures it is reached with the connector's token_file, tls_* and
+fd_socket keys."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering", reason="the vLLM tests run in .venv-vllm")
 
 from driver import KvsvcProcess
+from support import flip
 from tiering import Engine, new_keys
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -86,6 +91,63 @@ def test_a_load_fails_for_exactly_the_keys_not_loaded(server) -> None:
         assert r.job_id == 7 and not r.success
         assert list(r.successful_keys) == keys[:2]
         assert [b.rows[c].tobytes() for c in (20, 21)] == [data[k] for k in keys[:2]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_failing_its_check_is_never_reported_loaded_and_is_dropped(make_server) -> None:
+    """A bit flipped in a stored chunk (an in-process server, tests/conftest.py's, so
+    that a stored byte can be flipped): vLLM's manager promotes the keys through
+    KvsvcTier; the job ends with success=False, the chunk before the bad one loaded
+    and reported, the bad one never; vLLM drops the keys not loaded, kvsvc drops the
+    bad chunk, so it is a miss from then on; an intact chunk after it is promoted
+    again on a later lookup, bit-exact."""
+    srv = make_server()
+    store = srv.server.servicer.store
+    a, b = Engine(target=srv.address), Engine(target=srv.address)
+    jobs: dict[int, list[bytes]] = {}
+    results: list[Any] = []
+    submit, finished = b.tier.submit_load, b.tier.get_finished_jobs
+
+    def submit_load(job: TransferJob) -> None:
+        jobs[job.job_id] = [bytes(k) for k in job.keys]
+        submit(job)
+
+    def get_finished_jobs() -> list[Any]:
+        out = list(finished())
+        results.extend(r for r in out if r.job_id in jobs)
+        return out
+
+    b.tier.submit_load, b.tier.get_finished_jobs = submit_load, get_finished_jobs
+    try:
+        keys = new_keys(3)
+        data = a.offload(keys, seed=10)
+        a.settle()
+        assert a.tier.counters["stored_chunks"] == 3, a.tier.counters
+        flip(store, a.tier.namespace, bytes(keys[1]), random.Random(10))
+        b.wait_index()
+
+        got = b.fetch(keys)
+        bad = bytes(keys[1])
+        assert got[keys[1]] is LookupResult.MISS  # dropped by vLLM and by kvsvc
+        assert got[keys[0]] == data[keys[0]] and got[keys[2]] == data[keys[2]]
+        assert store.checksum_failures == 1
+        assert not [k for (ns, k, *_) in store._chunks if ns == a.tier.namespace and k == bad]
+        # The promotion that held the bad key failed, for exactly the keys from it on.
+        holding = [r for r in results if bad in jobs[r.job_id]]
+        assert holding, (jobs, results)
+        for r in holding:
+            keys_of = jobs[r.job_id]
+            assert not r.success
+            loaded = [bytes(k) for k in (r.successful_keys or [])]
+            assert loaded == keys_of[: keys_of.index(bad)], (keys_of, loaded)
+        # The intact key after it was dropped by vLLM too, and promoted again.
+        assert any(r.success and bytes(keys[2]) in jobs[r.job_id] for r in results), results
+        print(f"jobs {[(j, len(k)) for j, k in jobs.items()]}, results {results}")
+        assert b.tier.counters["loads_failed"] >= 1 and not b.tier.counters["hook_errors"]
+        # Asked again: the bad key stays a miss (vLLM's tiers and kvsvc both lack it).
+        assert b.fetch([keys[1]])[keys[1]] is LookupResult.MISS
     finally:
         a.close()
         b.close()
