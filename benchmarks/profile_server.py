@@ -6,6 +6,8 @@ all samples of busy threads (py-spy leaves idle threads out).
 
 Loads:
 * ``lookup``: Lookup of 8 present keys, AsyncKVCacheClient, N asyncio tasks;
+* ``lookup-error``: the same Lookup with an empty key among them (a typed error,
+  ``InvalidRequest``), to set the error path's cost beside success's;
 * ``store`` / ``retrieve``: block Store / Retrieve of 16 chunks of 32 MiB over
   shared memory, one client.
 
@@ -34,6 +36,7 @@ from typing import Any
 from benchmarks.common import KvsvcServer, md_table, thread_cpu
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
+from kvsvc.errors import InvalidRequest
 
 KEYS = [b"%032d" % i for i in range(8)]
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -175,7 +178,11 @@ class Counter:
         self.n = 0
 
 
-def lookup_load(address: str, concurrency: int, seconds: float, done: Counter) -> None:
+def lookup_load(
+    address: str, concurrency: int, seconds: float, done: Counter, error: bool = False
+) -> None:
+    keys = [*KEYS, b""] if error else KEYS
+
     async def go() -> None:
         async with AsyncKVCacheClient(address) as c:
             await c.put("prof", [(k, b"v" * 64) for k in KEYS])
@@ -185,7 +192,11 @@ def lookup_load(address: str, concurrency: int, seconds: float, done: Counter) -
                 for _ in range(10**8):
                     if time.monotonic() >= t_end:
                         return
-                    await c.lookup(KEYS, namespace="prof")
+                    try:
+                        await c.lookup(keys, namespace="prof")
+                    except InvalidRequest:
+                        if not error:
+                            raise
                     done.n += 1
 
             await asyncio.gather(*(loop() for _ in range(concurrency)))
@@ -244,7 +255,8 @@ def profile(
     a core (or the GIL) after a wake-up is sampled as busy; ``gil`` (default for
     ``lookup``) keeps only the samples of the thread holding the GIL, i.e. where
     the Python work goes."""
-    gil = (mode == "lookup") if gil is None else gil
+    lookup = mode.startswith("lookup")
+    gil = lookup if gil is None else gil
     work = Path(tempfile.mkdtemp(prefix="kvsvc-prof-"))
     shm_dir = tempfile.mkdtemp(prefix="kvsvc-prof-", dir="/dev/shm")
     extra = ["--gil"] if gil else []
@@ -258,8 +270,9 @@ def profile(
 
             def load() -> None:
                 try:
-                    if mode == "lookup":
-                        lookup_load(server.address, concurrency, seconds + 3, done)
+                    if lookup:
+                        lookup_load(server.address, concurrency, seconds + 3, done,
+                                    error=mode == "lookup-error")  # fmt: skip
                     else:
                         block_load(server.address, shm_dir, mode, seconds + 3, chunk_blocks,
                                    batch, done, region)  # fmt: skip
@@ -270,7 +283,7 @@ def profile(
             t.start()
             time.sleep(1.0)  # past connection set-up and the first calls
             pids = {"server": server.pid, "caller": os.getpid()}
-            who_all = ["server", "caller"] if mode == "lookup" else ["server"]
+            who_all = ["server", "caller"] if lookup else ["server"]
             before = {who: thread_cpu(pids[who]) for who in who_all}
             calls0, t0 = done.n, time.monotonic()
             spies = [(who, start_record(pids[who], seconds, work / f"{who}.txt", extra=extra))
@@ -301,6 +314,8 @@ def markdown(result: dict[str, Any]) -> str:
     mib, batch = result["chunk_blocks"] * 2, result["batch"]
     what = {
         "lookup": f"Lookup of 8 keys, AsyncKVCacheClient, {result['concurrency']} asyncio tasks",
+        "lookup-error": "Lookup of 8 keys and an empty one (InvalidRequest), AsyncKVCacheClient, "
+        f"{result['concurrency']} asyncio tasks",
         "store": f"Store of {batch} x {mib} MiB chunks, {result.get('region')} regions, 1 client",
         "retrieve": f"Retrieve of {batch} x {mib} MiB chunks, {result.get('region')} regions, "
         "1 client",
@@ -324,7 +339,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["lookup", "store", "retrieve"])
+    ap.add_argument("mode", choices=["lookup", "lookup-error", "store", "retrieve"])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--concurrency", type=int, default=8, help="lookup callers")
     ap.add_argument("--chunk-blocks", type=int, default=16, help="2 MiB blocks per chunk")

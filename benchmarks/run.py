@@ -118,9 +118,9 @@ def run_fault_detection(size: str, progress: Progress, out_dir: Path) -> dict[st
         "command": " ".join(cmd[1:]),
         "stdout": stdout,
         "detect": row("NOT_SERVING"),  # [median ms, max ms]
-        # the first rows of each: 1 caller, [p50, p99, mean] ms
-        "failed": (row("raises in handler") or [])[-3:] or None,
-        "ok": (row("succeeds") or [])[-3:] or None,
+        # the first rows of each: 1 caller, [p50, p99, mean] ms (then CPU µs a call)
+        "failed": (row("raises in handler") or [])[-4:-1] or None,
+        "ok": (row("succeeds") or [])[-4:-1] or None,
         # error p99 / success p99 at each caller count (fault_detection.CALLERS)
         "ratios": row("handler fault p99 ratio"),
         "typed_ratios": row("typed error p99 ratio"),

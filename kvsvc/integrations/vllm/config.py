@@ -1,13 +1,19 @@
-"""The vLLM connector's settings."""
+"""The vLLM connector's settings, and the namespace a request's cache salt maps to."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.integrations.common import ConnectionSettings, parse_settings, read_token
 
-__all__ = ["VllmConnectorConfig", "read_token"]
+__all__ = ["VllmConnectorConfig", "read_token", "salt_namespace"]
+
+#: hex digits of a salt's SHA-256 in its namespace (64 bits: two salts share a
+#: namespace by chance ~never, and if they did their keys still differ: vLLM folds
+#: the salt into its block hashes)
+SALT_HASH_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,10 @@ class VllmConnectorConfig(ConnectionSettings):
     # The ``medium`` of the vLLM KV events that publish what kvsvc holds (only when
     # vLLM's kv_events_config enables events).
     kv_events_medium: str = "kvsvc"
+    # A request with a ``cache_salt`` keeps its chunks in a namespace of its own,
+    # ``<namespace>/salt-<hash>`` (salt_namespace): an eviction share of its own
+    # (kvsvc's --namespace-share) and one DropNamespace to delete them.
+    salt_namespaces: bool = False
 
     @classmethod
     def parse(
@@ -28,3 +38,14 @@ class VllmConnectorConfig(ConnectionSettings):
     ) -> VllmConnectorConfig:
         """Validate ``extra`` (unknown keys are an error, so a typo is not ignored)."""
         return parse_settings(cls, extra, "KVSVC_VLLM_", "kv_connector_extra_config", env)
+
+
+def salt_namespace(namespace: str, salt: str | None) -> str:
+    """The namespace of a request's chunks: ``namespace`` itself when it has no salt
+    (None or empty), else ``<namespace>/salt-<first 64 bits of SHA-256(salt), hex>``
+    (the salt itself never reaches kvsvc; a tenant granted ``<namespace>*`` or a
+    prefix of it is granted every salt's namespace)."""
+    if not salt:
+        return namespace
+    digest = hashlib.sha256(salt.encode()).hexdigest()[:SALT_HASH_CHARS]
+    return f"{namespace}/salt-{digest}"

@@ -8,7 +8,11 @@ while a store may still read them. Loads are asynchronous: a request waits in
 WAITING_FOR_REMOTE_KVS while its blocks load, so a Retrieve whose outcome is
 unknown can keep the blocks until a Fence proves the copy ended. Nothing here
 touches KV memory: the plans travel to the workers as ``KvsvcConnectorMetadata``.
-With vLLM's KV events on, ``take_events`` publishes what kvsvc holds (events.py)."""
+With vLLM's KV events on, ``take_events`` publishes what kvsvc holds (events.py).
+With ``salt_namespaces``, a request with a ``cache_salt`` looks up and plans its
+chunks in its salt's namespace (config.salt_namespace; each Op names it for the
+workers); the presence index follows the deployment's namespace only, so a salted
+request asks kvsvc (Lookup) and its chunks are not published as KV events."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from kvsvc.integrations.vllm.common import (
     hash_bytes,
     log,
 )
-from kvsvc.integrations.vllm.config import VllmConnectorConfig
+from kvsvc.integrations.vllm.config import VllmConnectorConfig, salt_namespace
 from kvsvc.integrations.vllm.events import KvsvcKVEvents
 from kvsvc.integrations.vllm.hints import Hints
 from kvsvc.integrations.vllm.link import Link
@@ -76,6 +80,19 @@ class KvsvcConnectorScheduler:
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
+    def _namespace_of(self, request: Any) -> str:
+        """Where ``request``'s chunks live: its salt's namespace (``salt_namespaces``
+        and a ``cache_salt``), else the deployment's."""
+        if not self.cfg.salt_namespaces:
+            return self.namespace
+        return salt_namespace(self.namespace, getattr(request, "cache_salt", None))
+
+    def _op(self, request: Any, chunks: list[tuple[bytes, list[int]]]) -> Op:
+        """A load or store of ``request``'s chunks, naming its namespace for the
+        workers when it is not the mapping's."""
+        namespace = self._namespace_of(request)
+        return Op(request.request_id, chunks, "" if namespace == self.namespace else namespace)
+
     def _chunk_hashes(self, request: Any, upto_chunks: int) -> list[bytes]:
         hashes = request.block_hashes
         return [hash_bytes(hashes[(c + 1) * self.chunk_blocks - 1]) for c in range(upto_chunks)]
@@ -99,7 +116,9 @@ class KvsvcConnectorScheduler:
             chunk_key(r, h) for h in self._chunk_hashes(request, chunks) for r in range(self.tp)
         ]
         t0 = time.monotonic()
-        hit_keys = self.hints.prefix_hits(keys)
+        namespace = self._namespace_of(request)
+        # The index follows the deployment's namespace: a salt's is asked by Lookup.
+        hit_keys = self.hints.prefix_hits(keys) if namespace == self.namespace else None
         if hit_keys is not None:
             self._count("lookups_from_index")
             return self._matched(request, num_computed_tokens, chunks, hit_keys, t0, "index")
@@ -108,9 +127,7 @@ class KvsvcConnectorScheduler:
             self._count("lookups_skipped_down")
             return 0, False
         try:
-            hit_keys = client.lookup(
-                keys, namespace=self.namespace, timeout=self.cfg.lookup_timeout_s
-            )
+            hit_keys = client.lookup(keys, namespace=namespace, timeout=self.cfg.lookup_timeout_s)
         except KVServiceError as exc:
             took = time.monotonic() - t0
             self.lookup_seconds_max = max(self.lookup_seconds_max, took)
@@ -172,7 +189,7 @@ class KvsvcConnectorScheduler:
             raise
         req.next_chunk = first + n
         req.load_planned = True
-        self.loads.append(Op(request.request_id, chunks))
+        self.loads.append(self._op(request, chunks))
         self._count("load_planned_chunks", n)
 
     def build_connector_meta(self, out: Any) -> KvsvcConnectorMetadata:
@@ -221,7 +238,7 @@ class KvsvcConnectorScheduler:
             ]
             req.next_chunk = ready
             req.had_store = True
-            ops.append(Op(req_id, chunks))
+            ops.append(self._op(r, chunks))
             self._count("store_planned_chunks", len(chunks))
         return ops
 
