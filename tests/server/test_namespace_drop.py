@@ -227,8 +227,18 @@ def test_drop_namespace_reaches_the_disk_tier(make_server, tmp_path) -> None:
         while disk.files < 5:
             assert time.monotonic() < end, disk.files
             time.sleep(0.02)
-        r = c.drop_namespace("a", timeout=10)
-        assert (r.dropped_chunks, r.disk_chunks, r.disk_bytes) == (4, 4, 4 * 8192)
+        watch = Removed(st.address)
+        try:
+            r = c.drop_namespace("a", timeout=10)
+            assert (r.dropped_chunks, r.disk_chunks, r.disk_bytes) == (4, 4, 4 * 8192)
+            gone = {
+                ("a", b"k%d" % i, pb.REMOVAL_REASON_DROPPED, tier)
+                for i in range(4)
+                for tier in (pb.TIER_MEMORY, pb.TIER_DISK)
+            }
+            assert watch.until(gone) == gone
+        finally:
+            watch.close()
         assert c.lookup([b"k0"], namespace="a", timeout=10) == 0  # not from disk either
         assert c.lookup([b"k0"], namespace="b", timeout=10) == 1
         end = time.monotonic() + WAIT_S
@@ -251,8 +261,27 @@ def test_drop_namespace_reaches_the_redis_tier(make_server, tmp_path) -> None:
             while remote.writes < 4:
                 assert time.monotonic() < end, remote.writes
                 time.sleep(0.02)
-            r = c.drop_namespace("a", timeout=10)
-            assert (r.dropped_chunks, r.redis_keys, r.redis_complete) == (3, 3, True)
+            # Announced in the Redis tier (what the events stream says it holds).
+            events = st.server.servicer.events
+
+            async def announced() -> int:  # read on the loop, which changes it
+                return sum(1 for k in events.remote if k[0] == "a")
+
+            while st.run(announced()) < 3:
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            watch = Removed(st.address)
+            try:
+                r = c.drop_namespace("a", timeout=10)
+                assert (r.dropped_chunks, r.redis_keys, r.redis_complete) == (3, 3, True)
+                gone = {
+                    ("a", b"k%d" % i, pb.REMOVAL_REASON_DROPPED, tier)
+                    for i in range(3)
+                    for tier in (pb.TIER_MEMORY, pb.TIER_REDIS)
+                }
+                assert watch.until(gone) == gone
+            finally:
+                watch.close()
             assert c.lookup([b"k0"], namespace="a", timeout=10) == 0  # not from Redis
             assert c.get("b", b"k0", timeout=10) == b"B" * 8192
             assert redis.cli("dbsize").strip() == "1"  # b's

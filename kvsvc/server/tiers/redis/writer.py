@@ -150,6 +150,8 @@ class WriteBehind(Connections):
                 self.unconfirmed += [(w.namespace, w.key, w.layout, w.chunk.size) for w in writes]
             return
         for w in writes:
+            if w.chunk.discarded:  # dropped since (DropNamespace unlinks it): not news
+                continue
             self.events.stored(w.namespace, (w.key,), w.layout, w.chunk.size, pb.TIER_REDIS)
 
     def _unpin(self, chunks: list[Chunk]) -> None:
