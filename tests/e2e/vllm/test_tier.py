@@ -5,7 +5,7 @@ kvsvc killed mid-run is misses and failed jobs, never an exception or a hang, an
 the tier maps again once kvsvc is back; a chunk that fails its check (a bit flipped
 in an in-process server's store) is never reported loaded; a server secured as
 docker/compose.yaml secures it is reached with the connector's token_file, tls_* and
-fd_socket keys."""
+fd_socket keys, with mTLS too (a client certificate by itself or beside the token)."""
 
 from __future__ import annotations
 
@@ -216,6 +216,46 @@ def test_a_secured_server_with_token_tls_and_fd_socket(secured) -> None:
         assert not c.tier.counters["hook_errors"]
     finally:
         for e in (a, b, c):
+            e.close()
+
+
+def test_an_mtls_server_by_certificate_and_by_token(mtls) -> None:
+    """kvsvc with mTLS as well (``--tls-client-ca``): the tier's tls_cert/tls_key
+    certificate names its tenant without a token, and a token works beside it; one
+    engine stores, another loads bit-exact. No certificate, one from another CA, or a
+    signed one the tenant file does not list (and no token): every call refused, so
+    misses and dropped stores, never an error into vLLM."""
+    target, keys, certs = f"127.0.0.1:{mtls['port']}", mtls["keys"], mtls["certs"]
+    by_cert = {k: v for k, v in keys.items() if k != "token_file"}
+
+    def cert(name: str) -> dict[str, str]:
+        return {"tls_cert": f"{certs}/{name}.pem", "tls_key": f"{certs}/{name}.key"}
+
+    no_cert = {k: v for k, v in keys.items() if k not in ("tls_cert", "tls_key")}
+    a, b = Engine(target=target, **keys), Engine(target=target, **by_cert)
+    refused = [
+        Engine(target=target, **no_cert),  # token, but no certificate: no handshake
+        Engine(target=target, **(keys | cert("forged"))),  # another CA's
+        Engine(target=target, **(by_cert | cert("engine-b"))),  # signed, not listed
+    ]
+    try:
+        data = a.offload(new_keys(3), seed=11)
+        a.settle()
+        assert a.tier.counters["stored_chunks"] == 3, a.tier.counters
+        b.wait_index()
+        assert {k: v for k, v in b.fetch(list(data)).items()} == data
+        more = b.offload(new_keys(1), seed=12)  # the certificate alone stores too
+        b.settle()
+        assert b.tier.counters["stored_chunks"] == 1, b.tier.counters
+        for e in refused:
+            e.offload(new_keys(1), seed=13)
+            e.settle(timeout=30)
+            assert e.tier.counters["stored_chunks"] == 0, e.tier.counters
+            got = e.fetch([*data, *more], timeout=30)
+            assert set(got.values()) == {LookupResult.MISS}, e.tier.counters
+            assert not e.tier.counters["hook_errors"]
+    finally:
+        for e in (a, b, *refused):
             e.close()
 
 
