@@ -1,4 +1,5 @@
-"""The ``kvsvc`` command: ``serve``, ``demo`` and ``failpoints``."""
+"""The ``kvsvc`` command: ``serve``, ``demo``, ``init-auth``, ``drop-namespace`` and
+``failpoints``."""
 
 from __future__ import annotations
 
@@ -87,6 +88,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"where the tenant file goes (env {env_name('auth_token_file')})",
     )
 
+    drop = sub.add_parser(
+        "drop-namespace",
+        help="drop every chunk of one namespace (e.g. a deleted user's cache salt)",
+        description="Drop every chunk of NAMESPACE on the server at --target, from memory, "
+        "disk and Redis (DropNamespace); a tenant drops only its own namespaces.",
+    )
+    drop.add_argument("namespace", help="the namespace, as the caller's other calls name it")
+    drop.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT or unix:PATH")
+    drop.add_argument(
+        "--token-file",
+        default=os.environ.get(TOKEN_FILE_ENV, ""),
+        help=f"file holding the bearer token (env {TOKEN_FILE_ENV})",
+    )
+    drop.add_argument("--timeout", type=float, default=30.0, help="seconds the call may take")
+
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
     args = parser.parse_args(argv)
@@ -112,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "init-auth":
         return _init_auth(args.tenant_file)
+    if args.command == "drop-namespace":
+        return _drop_namespace(args)
     if args.command == "failpoints":
         try:
             failpoints.parse(os.environ.get(failpoints.ENV, ""))
@@ -128,6 +146,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _drop_namespace(args: argparse.Namespace) -> int:
+    """One DropNamespace; what was dropped on one line, or the typed error (exit 1)."""
+    from kvsvc.client import KVCacheClient
+    from kvsvc.errors import KVServiceError
+
+    try:
+        token = read_token_file(args.token_file) if args.token_file else None
+    except ConfigError as exc:
+        print(f"kvsvc drop-namespace: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with KVCacheClient(args.target, token=token) as client:
+            r = client.drop_namespace(args.namespace, timeout=args.timeout)
+    except (KVServiceError, ValueError) as exc:
+        print(f"kvsvc drop-namespace: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    redis = "" if r.redis_complete else " (the Redis scan did not finish: run it again)"
+    print(
+        f"kvsvc drop-namespace: {args.namespace}: {r.dropped_chunks} chunks "
+        f"({r.dropped_bytes} bytes) in memory, {r.disk_chunks} on disk, "
+        f"{r.redis_keys} Redis keys{redis}"
+    )
+    return 0 if r.redis_complete else 1
 
 
 def _init_auth(path: str) -> int:

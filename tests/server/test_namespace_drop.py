@@ -315,3 +315,20 @@ def test_a_mappings_blocks_go_to_the_namespace_a_call_names(make_server, tmp_pat
             bob.store(m, [(b"k2", [2])], namespace="alice-ns", timeout=10)
         assert bob.drop_namespace("bob/base/salt-1", timeout=10).dropped_chunks == 1
         assert bob.lookup([b"k"], namespace="bob/base/salt-1", timeout=10) == 0
+
+
+def test_the_cli_drops_a_namespace_and_says_what(make_server, tmp_path, capsys) -> None:
+    from kvsvc.cli.main import main
+
+    st = make_server(auth_token_file=str(tenants(tmp_path / "t.json")))
+    token = tmp_path / "token"
+    token.write_text(BOB + "\n")
+    token.chmod(0o600)
+    with KVCacheClient(st.address, token=BOB) as bob:
+        bob.put("bob/x", [(b"k%d" % i, b"x" * 100) for i in range(3)], timeout=10)
+    args = ["drop-namespace", "--target", st.address, "--token-file", str(token)]
+    assert main([*args, "bob/x"]) == 0
+    out = capsys.readouterr().out
+    assert "bob/x: 3 chunks (300 bytes) in memory, 0 on disk, 0 Redis keys" in out
+    assert main([*args, "alice-ns"]) == 1  # not bob's
+    assert "PermissionDenied" in capsys.readouterr().err
