@@ -299,7 +299,8 @@ class ChunkStore:
         self.evicted_total += len(victims)
         self.used_bytes += need
         self.used_by[owner] = self.used_by.get(owner, 0) + need
-        self.used_in[namespace] = self.used_in.get(namespace, 0) + need
+        if need:  # (an empty request leaves no entry behind)
+            self.used_in[namespace] = self.used_in.get(namespace, 0) + need
         self._reserved += len(wants)
         return [
             Chunk(
