@@ -34,7 +34,7 @@ def test_a_namespace_over_its_share_is_evicted_first_and_accounts_balance() -> N
     for i in range(40):
         put(store, "b", b"b%d" % i)
     assert store.lookup("a", [b"a%d" % i for i in range(4)], None) == 4
-    assert store.used_in["b"] <= 3 * MB
+    assert store.used_in[("t", "b")] <= 3 * MB
     assert sum(store.used_in.values()) == store.used_bytes == store.used_by["t"]
     # Within its share, a namespace's own chunks are not preferred over LRU: with no
     # one over, the oldest go first (a's, here).
@@ -70,8 +70,8 @@ def test_drop_namespace_unlists_frees_after_readers_and_refuses_late_commits() -
     assert store.used_bytes == used - 2 * reading[0].charged  # k0 still read
     assert not store.commit(writing[0], [0])  # its namespace went while it was written
     store.release(reading)
-    assert store.used_bytes == store.used_in["b"] == store.used_by["t"]
-    assert "a" not in store.used_in
+    assert store.used_bytes == store.used_in[("t", "b")] == store.used_by["t"]
+    assert ("t", "a") not in store.used_in
     # A Store reserved after the drop is kept.
     put(store, "a", b"k9")
     assert store.lookup("a", [b"k9"], None) == 1

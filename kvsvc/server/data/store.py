@@ -125,9 +125,9 @@ class ChunkStore:
         #: eviction takes from owners over their share first
         self.used_by: dict[str, int] = {}
         self.shares: dict[str, int] = {}
-        #: bytes each namespace holds (no entry: none), and per owner the bytes any one
-        #: of its namespaces may hold before eviction takes from that namespace first
-        self.used_in: dict[str, int] = {}
+        #: bytes each owner holds in each namespace (no entry: none), and per owner the
+        #: bytes any one of its namespaces may hold before eviction takes from it first
+        self.used_in: dict[tuple[str, str], int] = {}
         self.namespace_shares: dict[str, int] = {}
         #: namespace drops so far, the count at each namespace's last drop (kept while
         #: chunks reserved before it may still commit), and the chunks reserved now
@@ -221,12 +221,12 @@ class ChunkStore:
         """Take a chunk's charge off the totals, its owner's and its namespace's."""
         self.used_bytes -= chunk.charged
         self.used_by[chunk.owner] -= chunk.charged
-        namespace = chunk.key[0]
-        left = self.used_in[namespace] - chunk.charged
+        pair = (chunk.owner, chunk.key[0])
+        left = self.used_in[pair] - chunk.charged
         if left:
-            self.used_in[namespace] = left
+            self.used_in[pair] = left
         else:
-            del self.used_in[namespace]
+            del self.used_in[pair]
 
     def buffer(self, chunk: Chunk) -> ChunkBuffer:
         """The chunk's bytes as the copy pieces see them (and check them)."""
@@ -300,7 +300,7 @@ class ChunkStore:
         self.used_bytes += need
         self.used_by[owner] = self.used_by.get(owner, 0) + need
         if need:  # (an empty request leaves no entry behind)
-            self.used_in[namespace] = self.used_in.get(namespace, 0) + need
+            self.used_in[(owner, namespace)] = self.used_in.get((owner, namespace), 0) + need
         self._reserved += len(wants)
         return [
             Chunk(
@@ -322,36 +322,60 @@ class ChunkStore:
         owners over their share, then the rest (the requester and its namespace
         counted with what they ask for). A tenant or namespace within its share loses
         chunks only once no one is over theirs (shares that add up to more than the
-        store), or when all of theirs are being read."""
+        store), or when all of theirs are being read. Who is over is judged from the
+        owners' and namespaces' totals; the chunks are walked only while someone is."""
         held = dict(self.used_by)
         held[requester] = held.get(requester, 0) + need
-        #: namespaces' bytes as the plan goes: self.used_in plus these changes
-        moved: dict[str, int] = {namespace: need}
+        #: (owner, namespace) bytes as the plan goes: self.used_in plus these changes
+        moved: dict[tuple[str, str], int] = {(requester, namespace): need}
         caps = self.namespace_shares
-        used_in = self.used_in
         taken: set[int] = set()
         while True:
             over = {o for o, n in held.items() if n > self.shares.get(o, self.capacity)}
+            over_ns = self._over_namespaces(moved) if caps else set()
+            if not over and not over_ns:
+                # Evicting only lowers totals: no one gets over, plain LRU from here.
+                for c in self._chunks.values():
+                    if c.readers == 0 and id(c) not in taken:
+                        yield c
+                return
             pick: Chunk | None = None
             rank = 3
             for c in self._chunks.values():
                 if c.readers or id(c) in taken:
                     continue
-                cap = caps.get(c.owner)
-                ns = c.key[0]
-                if cap is not None and used_in.get(ns, 0) + moved.get(ns, 0) > cap:
+                if (c.owner, c.key[0]) in over_ns:
                     pick = c  # the first of the first rank: no need to look further
                     break
                 if rank > 1 and c.owner in over:
                     pick, rank = c, 1
+                    if not over_ns:
+                        break
                 elif pick is None:
                     pick, rank = c, 2
             if pick is None:
                 return
             taken.add(id(pick))
             held[pick.owner] = held.get(pick.owner, 0) - pick.charged
-            moved[pick.key[0]] = moved.get(pick.key[0], 0) - pick.charged
+            pair = (pick.owner, pick.key[0])
+            moved[pair] = moved.get(pair, 0) - pick.charged
             yield pick
+
+    def _over_namespaces(self, moved: dict[tuple[str, str], int]) -> set[tuple[str, str]]:
+        """(owner, namespace) pairs over their owner's namespace share, ``moved``
+        counted (one pass over the pairs, not the chunks)."""
+        caps, used_in = self.namespace_shares, self.used_in
+        out = {
+            pair
+            for pair, n in used_in.items()
+            if pair[0] in caps and n + moved.get(pair, 0) > caps[pair[0]]
+        }
+        out.update(
+            pair
+            for pair, n in moved.items()
+            if pair not in used_in and pair[0] in caps and n > caps[pair[0]]
+        )
+        return out
 
     def drop_namespace(self, namespace: str) -> tuple[int, int]:
         """Discard every committed chunk of ``namespace`` (reason "dropped"; one being
