@@ -104,9 +104,13 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	@touch $@
 
 # Every section of benchmarks.run at tiny sizes (< 2 min on 2 cores), so the
-# benchmarks cannot rot unseen: fails, naming the section, if any section errs.
+# benchmarks cannot rot unseen: fails, naming the section, if any section errs;
+# then the benchmarks outside it that take --smoke (~45 s).
 bench-smoke: $(VENV)/.bench-installed native
 	$(PY) -m benchmarks.run --smoke --out bench-results/smoke
+	for b in call_cost auth_cost copy_loop inline_flood; do \
+	  $(PY) -m benchmarks.$$b --smoke >/dev/null || { echo "benchmarks.$$b --smoke failed"; exit 1; }; \
+	done
 
 # The README's benchmark command: installs the extra, then the ~10-minute run
 # behind docs/benchmarks.md's table (BENCH_ARGS="--out DIR ..." to pass more).
