@@ -1,6 +1,6 @@
 """Data-plane throughput: Store and Retrieve through a real `kvsvc serve` over
-shared memory, against two in-process references moving the same bytes, in one
-run, in alternating rounds (so machine noise hits all three alike):
+shared memory, against in-process references moving the same bytes, in one run,
+in alternating rounds (so machine noise hits them all alike):
 
 * torch: a plain torch copy between the shm-backed KV tensors (an mmap of the
   file under /dev/shm) and a buffer, with the server's thread count as torch's
@@ -16,7 +16,10 @@ run, in alternating rounds (so machine noise hits all three alike):
 * preadv: raw ``os.preadv``/``os.pwritev`` of the same byte runs from/to the same
   shm file, split over the server's thread count. The server copies shared
   memory this way (not through mmap, so a client truncating its file cannot
-  SIGBUS the server), so this is its ceiling on this machine.
+  SIGBUS the server), so this is its ceiling on this machine;
+* memcpy: the physical limit, a contiguous torch copy of the same number of
+  bytes from one hot buffer to another (no layout: one run, not 64 of 32 KiB a
+  chunk), on torch's intra-op threads.
 
 While kvsvc's calls run, the cores its copy threads (``kvsvc-copy-N``) and its
 event-loop thread keep busy are read from /proc/PID/task/*/stat: a copy thread
@@ -130,13 +133,14 @@ def table(rows: list[dict]) -> str:
     return md_table(
         ["region", "op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s",
          "kvsvc/torch", "cold set", "kvsvc, cold set GB/s", "torch, cold set GB/s",
-         "kvsvc/torch, cold set", "preadv GB/s", "kvsvc/preadv", "copy threads busy (cores)",
-         "loop thread busy"],
+         "kvsvc/torch, cold set", "preadv GB/s", "kvsvc/preadv", "memcpy GB/s", "kvsvc/memcpy",
+         "copy threads busy (cores)", "loop thread busy"],
         [(r["region"], r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
           f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}",
           f"{r['cold_bytes'] / (1 << 30):.2f} GiB", f"{r['kvsvc_cold']:.2f}",
           f"{r['plain_cold']:.2f}", f"{r['kvsvc_cold'] / r['plain_cold']:.2f}", f"{r['pread']:.2f}",
-          f"{r['kvsvc'] / r['pread']:.2f}", f"{r['copy_cores']:.2f} of {r['threads']}",
+          f"{r['kvsvc'] / r['pread']:.2f}", f"{r['memcpy']:.2f}", f"{r['kvsvc'] / r['memcpy']:.2f}",
+          f"{r['copy_cores']:.2f} of {r['threads']}",
           f"{r['loop_cores']:.2f}") for r in rows],
     )  # fmt: skip
 
@@ -233,13 +237,15 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
             stored.append(n)
 
         bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_clients)]
+        # The physical limit: a contiguous copy of the same bytes, buffer to buffer.
+        flat = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n_clients)]
         # The cold set: per client, as many buffers as the store holds of its
         # rounds (less one, for the keys' share of the capacity), together about
         # the store's capacity, the memory kvsvc's Stores cycle through.
         ring_len = max(1, store_bytes // (nbytes * n_clients) - 1)
         rings = [[torch.empty(nbytes, dtype=torch.uint8) for _ in range(ring_len)]
                  for _ in range(n_clients)]  # fmt: skip
-        for b in [*bufs, *(b for ring in rings for b in ring)]:
+        for b in [*bufs, *flat, *(b for ring in rings for b in ring)]:
             b.fill_(0)  # touch the reference buffers before timing (no page faults in rounds)
         turns = [itertools.count() for _ in range(n_clients)]
 
@@ -270,6 +276,9 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                         pos += n
 
             return lambda: each(one)
+
+        def memcpy() -> None:
+            each(lambda i: flat[i].copy_(bufs[i]))
 
         def byte_ops(direction: str) -> list[list[Op]]:
             """The chunk's byte runs in the server's order (per chunk, per layer:
@@ -322,7 +331,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
 
         stores = phase("store", {"kvsvc": store_all, "plain": plain("store", hot),
                                  "plain_cold": plain("store", cold(ring_len)),
-                                 "pread": raw("store")})  # fmt: skip
+                                 "pread": raw("store"), "memcpy": memcpy})  # fmt: skip
         stores["kvsvc_cold"] = stores["kvsvc"]  # every Store writes a fresh chunk
 
         # The chunks of the last store are present: "kvsvc" retrieves them
@@ -354,7 +363,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
             "retrieve",
             {"kvsvc": retrieve_all, "kvsvc_cold": lambda: retrieve_all(next(rounds)),
              "plain": plain("retrieve", hot), "plain_cold": plain("retrieve", cold(len(present))),
-             "pread": raw("retrieve")},
+             "pread": raw("retrieve"), "memcpy": memcpy},
         )  # fmt: skip
         # the blocks kvsvc retrieves are the stored ones, bit for bit (the references
         # wrote dst too: clear it first)
@@ -378,6 +387,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
             copy_cores, loop_cores = meter.cores() if meter else (float("nan"),) * 2
             out.append(dict(region=region, op=op, chunk=mib, batch=batch, clients=n_clients,
                             kvsvc=kv, plain=ref, pread=pread, threads=threads,
+                            memcpy=r["memcpy"],
                             kvsvc_cold=kv_cold, plain_cold=ref_cold, cold_bytes=cold_bytes,
                             copy_cores=copy_cores, loop_cores=loop_cores,
                             line=f"{region:5} {op:8} {mib:2} MiB x {batch:2} x {n_clients} "
@@ -387,6 +397,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                                  f"{kv_cold:6.2f} GB/s  torch {ref_cold:6.2f} GB/s "
                                  f"({kv_cold / ref_cold:.2f})  "
                                  f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})  "
+                                 f"memcpy {r['memcpy']:6.2f} GB/s ({kv / r['memcpy']:.2f})  "
                                  f"copy threads busy {copy_cores:.2f} of {threads} cores, "
                                  f"loop thread {loop_cores:.2f}"))  # fmt: skip
     finally:
