@@ -156,6 +156,27 @@ def run_engine(
     return list(json.loads(out_path.read_text()))
 
 
+def paired_overheads(
+    base: list[dict[str, Any]], other: list[dict[str, Any]], kind: str, length: int
+) -> list[float]:
+    """``other``'s ``kind`` over recompute, rep by rep: the engines alternate per
+    repetition, so rep i of each ran next to each other in time (a loaded host's
+    swings cancel in the pair, not across the run)."""
+    xs = [r["seconds"] for r in base if r["kind"] == "recompute" and r["length"] == length]
+    ys = [r["seconds"] for r in other if r["kind"] == kind and r["length"] == length]
+    return [y / x - 1 for x, y in zip(xs, ys, strict=False)]
+
+
+def ci_text(xs: list[float], resamples: int = 2000) -> str:
+    """Median and a bootstrap 95% interval of the median (seeded: reruns print the same)."""
+    if not xs:
+        return "-"
+    rng = random.Random(1)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo, hi = meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+    return f"{100 * statistics.median(xs):+.1f}% [{100 * lo:+.1f}%, {100 * hi:+.1f}%], n={len(xs)}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
@@ -213,9 +234,11 @@ def main() -> None:
                     results_by[v] += run_engine(tmp, f"{v}-{rep}", plan, env)
     rows = []
     results: dict[str, Any] = {"lengths": lengths, "reps": args.reps, "rows": rows}
-    print("\n| prompt tokens | engine | recompute (no connector) s | kvsvc miss s | kvsvc hit s |"
-          " hit speed-up | miss overhead |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| prompt tokens | engine | recompute (no connector) s | kvsvc miss s | kvsvc hit s |"
+        " hit speed-up | miss overhead | miss overhead, paired reps: median [95% CI] |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for n in lengths:
 
         def med(kind: str, src: list[dict[str, Any]], n: int = n) -> float:
@@ -235,8 +258,10 @@ def main() -> None:
                  "all": {k: [r["seconds"] for r in results_by[k] if r["length"] == n + 1]
                          for k in ("recompute", v)}}
             )  # fmt: skip
+            paired = paired_overheads(results_by["recompute"], results_by[v], first, n + 1)
+            rows[-1]["paired_overheads"] = paired
             print(f"| {n} | {v} | {rc:.3f} | {miss:.3f} | {hit:.3f} | {rc / hit:.1f}x |"
-                  f" {100 * (miss / rc - 1):+.1f}% |")  # fmt: skip
+                  f" {100 * (miss / rc - 1):+.1f}% | {ci_text(paired)} |")  # fmt: skip
     out = REPO / "bench-results" / "vllm_ttft.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
