@@ -18,7 +18,11 @@ own GPU blocks with it.
 Keys map back to vLLM block hashes as the connector makes them
 (``chunk_key``: ``tp<rank>:`` + the hash of the chunk's last block), converted as
 vLLM converts its own (``maybe_convert_block_hash``). With ``blocks_per_chunk``
-> 1 only each chunk's last block is published (the key names no other)."""
+> 1 only each chunk's last block is published (the key names no other).
+
+KvsvcTier (tier.py) uses the same bookkeeping (``changes``, with ``whole_keys``:
+its keys are vLLM's OffloadKeys, one a chunk) and hands the changes to vLLM's
+tiering manager as ``OffloadingEvent`` s instead."""
 
 from __future__ import annotations
 
@@ -55,9 +59,14 @@ class KvsvcKVEvents:
         tp: int,
         medium: str,
         withdraw_after_s: float,
+        *,
+        whole_keys: bool = False,
     ) -> None:
+        """``whole_keys``: the namespace's keys are announced as they are, one key a
+        chunk (the offloading tier's OffloadKeys) instead of ``tp`` connector keys."""
         self.namespace = namespace
-        self.tp = tp
+        self.tp = 1 if whole_keys else tp
+        self.whole_keys = whole_keys
         self.medium = medium
         self.withdraw_after_s = withdraw_after_s
         self.lock = threading.Lock()
@@ -81,6 +90,9 @@ class KvsvcKVEvents:
             if body.namespace != self.namespace:
                 continue
             for key in body.keys:
+                if self.whole_keys:
+                    hashes.add(bytes(key))
+                    continue
                 parsed = block_hash_of(key)
                 if parsed is not None:
                     hashes.add(parsed[1])
@@ -92,16 +104,21 @@ class KvsvcKVEvents:
     def take(self, probe: Probe, fresh: bool) -> list[KVCacheEvent]:
         """The events since the last step: one ``BlockRemoved`` of every chunk gone,
         one ``BlockStored`` per chunk new."""
+        return self._events(*self.changes(probe, fresh))
+
+    def changes(self, probe: Probe, fresh: bool) -> tuple[list[bytes], list[bytes]]:
+        """(chunks new, chunks gone) since the last call, as block hashes (with
+        ``whole_keys``: as keys)."""
         now = time.monotonic()
         if not fresh:
             if self.unknown_since is None:
                 self.unknown_since = now
             if now - self.unknown_since < self.withdraw_after_s or not self.announced:
-                return []
+                return [], []
             gone, self.announced = sorted(self.announced), set()
             with self.lock:
                 self.recheck_all = True  # re-announce what is there once it is fresh
-            return self._events([], gone)
+            return [], gone
         self.unknown_since = None
         with self.lock:
             touched, self.touched = self.touched, set()
@@ -109,15 +126,18 @@ class KvsvcKVEvents:
         if recheck:
             touched |= self.announced
         if not touched:
-            return []
+            return [], []
         order = sorted(touched)
-        keys = [chunk_key(r, h) for h in order for r in range(self.tp)]
+        if self.whole_keys:
+            keys = order
+        else:
+            keys = [chunk_key(r, h) for h in order for r in range(self.tp)]
         present = probe(keys)
         if present is None:  # turned unknown meanwhile: try again next step
             with self.lock:
                 self.touched |= touched
                 self.recheck_all = self.recheck_all or recheck
-            return []
+            return [], []
         stored, removed = [], []
         for i, h in enumerate(order):
             here = all(present[i * self.tp : (i + 1) * self.tp])
@@ -127,7 +147,7 @@ class KvsvcKVEvents:
             elif not here and h in self.announced:
                 self.announced.discard(h)
                 removed.append(h)
-        return self._events(stored, removed)
+        return stored, removed
 
     def _events(self, stored: list[bytes], removed: list[bytes]) -> list[KVCacheEvent]:
         out: list[KVCacheEvent] = []

@@ -10,7 +10,9 @@ briefly while this tier stores the key), never an RPC; ``submit_*`` only queue t
 job for the mover's threads (mover.py), which move bytes between vLLM's shared
 offload file and kvsvc with Store/Retrieve by chunk ids; ``get_finished_jobs``
 drains their outcomes. Every kvsvc fault becomes what vLLM survives: a miss, a
-dropped store, a load that fails for exactly the keys not loaded."""
+dropped store, a load that fails for exactly the keys not loaded. With vLLM's KV
+events on, ``take_events`` reports what kvsvc holds of the namespace (stored by any
+engine of the deployment, and removed), from the same index (events.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from kvsvc.integrations.vllm.common import log, offload_namespace, setup_logging
 from kvsvc.integrations.vllm.config import VllmConnectorConfig
+from kvsvc.integrations.vllm.events import KvsvcKVEvents
 from kvsvc.integrations.vllm.hints import Hints
 from kvsvc.integrations.vllm.mover import Job, Mover, Outcome
 
@@ -32,6 +35,7 @@ from vllm.v1.kv_offload.base import (  # isort: skip
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -80,7 +84,14 @@ class KvsvcTier(SecondaryTierManager):
         self.outcomes: collections.deque[Outcome] = collections.deque()  # mover -> here
         self.failed: list[JobResult] = []  # answered at once, on the scheduler's thread
         self.storing: dict[bytes, float] = {}  # key -> when its store was queued
-        self.hints = Hints(self.cfg, self.namespace)
+        # vLLM drains take_events only with its KV events on: else none are kept.
+        kv_events = getattr(offloading_spec, "kv_events_config", None)
+        self.events: KvsvcKVEvents | None = None
+        if getattr(kv_events, "enable_kv_cache_events", False) and self.cfg.presence:
+            self.events = KvsvcKVEvents(
+                self.namespace, 1, "", self.cfg.reconnect_interval_s, whole_keys=True
+            )
+        self.hints = Hints(self.cfg, self.namespace, self.events.on_batch if self.events else None)
         if not self.cfg.presence:  # lookups never make an RPC on vLLM's step
             log.warning("kvsvc tier: presence is off, so every lookup is a miss")
         self.mover: Mover | None = None
@@ -174,6 +185,37 @@ class KvsvcTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What kvsvc stored and removed of this namespace since the last call (from
+        the index in local memory; while it is unknown for ``reconnect_interval_s``,
+        everything reported is withdrawn). ``ownership`` is this tier's type;
+        ``removal_expected``: each stored chunk's removal is reported too."""
+        if self.events is None:
+            return []
+        try:
+            index = self.hints.index
+            fresh = bool(index is not None and index.fresh)
+            probe = index.hits if index is not None else (lambda keys: None)
+            stored, removed = self.events.changes(probe, fresh)
+        except Exception as exc:  # noqa: BLE001 - no events, never an exception into vLLM
+            self._hook_error("take_events", exc)
+            return []
+        out = [
+            OffloadingEvent(
+                keys=[OffloadKey(k) for k in keys],
+                medium=self.medium or Medium.CPU,
+                removed=gone,
+                locality=self.locality,
+                ownership=self.tier_type,
+                removal_expected=True,
+            )
+            for keys, gone in ((removed, True), (stored, False))
+            if keys
+        ]
+        self.counters["kv_events_stored"] += len(stored)
+        self.counters["kv_events_removed"] += len(removed)
+        return out
 
     def has_pending_work(self) -> bool:
         busy = self.mover.pending() if self.mover is not None else 0

@@ -3,7 +3,8 @@ vLLM's own spec and factory, over a real /dev/shm offload file), against real
 `kvsvc serve` processes: what one engine offloads another loads bit-exact; a
 kvsvc killed mid-run is misses and failed jobs, never an exception or a hang, and
 the tier maps again once kvsvc is back; a chunk that fails its check (a bit flipped
-in an in-process server's store) is never reported loaded; a server secured as
+in an in-process server's store) is never reported loaded; with vLLM's KV events on,
+the tier reports what kvsvc stores and removes; a server secured as
 docker/compose.yaml secures it is reached with the connector's token_file, tls_* and
 fd_socket keys, with mTLS too (a client certificate by itself or beside the token)."""
 
@@ -22,7 +23,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering", reason="the vLLM tests run in 
 from driver import KvsvcProcess
 from support import flip
 from tiering import Engine, new_keys
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm_helpers import free_port
 
@@ -257,6 +258,60 @@ def test_an_mtls_server_by_certificate_and_by_token(mtls) -> None:
     finally:
         for e in (a, b, *refused):
             e.close()
+
+
+def test_take_events_reports_what_kvsvc_holds_stored_and_removed(tmp_path) -> None:
+    """vLLM's KV events on: through vLLM's manager (``take_events``), KvsvcTier
+    reports each chunk kvsvc stores in the namespace, by this engine or another
+    (ownership: its tier type), then its removal when kvsvc evicts it, and withdraws
+    everything it reported once kvsvc is gone. With KV events off, it keeps none."""
+    server = KvsvcProcess(free_port(), "", str(tmp_path), store_bytes="128K")  # 16 chunks
+    a, b = (
+        Engine(target=server.address, kv_events=True),
+        Engine(target=server.address, kv_events=True),
+    )
+    off = Engine(target=server.address)
+    stored: set[bytes] = set()
+    removed: set[bytes] = set()
+
+    def drain(until: Any, timeout: float = 30) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            for ev in b.manager.take_events():
+                if ev.ownership is None:
+                    continue  # vLLM's own CPU tier
+                assert ev.ownership == "KvsvcTier" and ev.medium is Medium.CPU, ev
+                assert ev.locality is Locality.LOCAL and ev.removal_expected, ev
+                keys = {bytes(k) for k in ev.keys}
+                if ev.removed:
+                    removed.update(keys)
+                    stored.difference_update(keys)
+                else:
+                    stored.update(keys)
+            if until():
+                return
+            assert time.monotonic() < end, (len(stored), len(removed), dict(b.tier.counters))
+            time.sleep(0.05)
+
+    try:
+        first = {bytes(k) for k in a.offload(new_keys(4), seed=14)}
+        a.settle()
+        drain(lambda: first <= stored)  # stored by another engine: b reports them
+        for seed in range(15, 18):  # 3 x 8 chunks more than kvsvc's 16 hold: LRU evicts
+            a.offload(new_keys(8), seed=seed)
+            a.settle()
+        drain(lambda: first <= removed)
+        assert not first & stored and stored  # what kvsvc still holds stays reported
+        held = set(stored)
+        server.kill()
+        drain(lambda: held <= removed and not stored)  # withdrawn once kvsvc is gone
+        assert off.tier.events is None and not list(off.tier.take_events())
+        assert not b.tier.counters["hook_errors"]
+        print(f"events: {dict(b.tier.counters)}")
+    finally:
+        for e in (a, b, off):
+            e.close()
+        server.kill()
 
 
 def test_a_load_past_its_deadline_is_held_until_a_fence_proves_it_ended(tmp_path) -> None:

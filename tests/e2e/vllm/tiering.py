@@ -32,11 +32,13 @@ ROW = 8192  # bytes of one offloaded chunk (one block of one worker)
 CHUNKS = 32  # the primary tier's chunks
 
 
-def offload_config(engine_id: str, tier: dict[str, Any], chunks: int = CHUNKS) -> OffloadingConfig:
+def offload_config(
+    engine_id: str, tier: dict[str, Any], chunks: int = CHUNKS, kv_events: bool = False
+) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config={
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": chunks * ROW,
@@ -70,9 +72,11 @@ class Engine:
     """One engine's scheduler-side offloading: vLLM's TieringOffloadingManager with
     KvsvcTier below its CPU tier."""
 
-    def __init__(self, **tier: Any) -> None:
+    def __init__(self, kv_events: bool = False, **tier: Any) -> None:
+        """``kv_events``: vLLM's KV events on (its manager's take_events drained)."""
         tier.setdefault("reconnect_interval_s", 0.5)
-        self.spec = TieringOffloadingSpec(offload_config(f"kvsvc-{uuid.uuid4().hex[:12]}", tier))
+        engine_id = f"kvsvc-{uuid.uuid4().hex[:12]}"
+        self.spec = TieringOffloadingSpec(offload_config(engine_id, tier, kv_events=kv_events))
         self.manager: Any = self.spec.get_manager()
         self.tier: Any = self.manager.secondary_tiers[0]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
