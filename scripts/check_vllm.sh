@@ -10,7 +10,7 @@
 #      pytest-asyncio for pyproject's asyncio_mode) are installed each run too, so
 #      that adding one does not rebuild the 3.5 GB venv.
 #   2. installs vllm==0.33.0 --no-deps into $VENV/vllm-0.33 (kept while the pin holds)
-#      for test_versions.py and a second run of test_tier.py under 0.33;
+#      for test_versions.py and a second run of the engine-less tests under 0.33;
 #   3. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
 #      skip into a failure (the main venv's pytest skips those tests: no vLLM), then
 #      benchmarks/vllm_tier.py at smoke size.
@@ -61,9 +61,11 @@ export KVSVC_VLLM_033
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/vllm "$@"
-# KvsvcTier under vLLM 0.33's own tiering manager too (no engine: 0.33 has no CPU build).
+# Under vLLM 0.33 too, what runs without an engine (0.33 has no CPU build): KvsvcTier
+# under 0.33's own tiering manager, and the connector's halves driven directly (~90 s).
 PYTHONPATH="$KVSVC_VLLM_033" KVSVC_VLLM_EXPECT=0.33 "$VENV/bin/python" -m pytest -q \
-  -p no:cacheprovider --timeout 900 tests/e2e/vllm/test_tier.py -k "not killed and not deadline"
+  -p no:cacheprovider --timeout 900 tests/e2e/vllm/test_tier.py tests/e2e/vllm/test_secured.py \
+  tests/e2e/vllm/test_presence.py -k "not killed and not deadline"
 # The offloading tier's per-call cost at smoke size, so the benchmark cannot rot (~15 s).
 "$VENV/bin/python" -m benchmarks.vllm_tier --smoke --out bench-results/vllm-smoke
 echo "vllm: done in $((SECONDS - start)) s"
