@@ -19,7 +19,12 @@ in alternating rounds (so machine noise hits them all alike):
   SIGBUS the server), so this is its ceiling on this machine;
 * memcpy: the physical limit, a contiguous torch copy of the same number of
   bytes from one hot buffer to another (no layout: one run, not 64 of 32 KiB a
-  chunk), on torch's intra-op threads.
+  chunk), on torch's intra-op threads;
+* echo RT: a bare gRPC round trip of kvsvc's transport (a bidi-stream echo of a
+  one-chunk Store's message sizes, benchmarks/echo_server.py) in the same
+  rounds, so under the same cache and scheduling state as kvsvc's calls. A
+  call cannot beat the torch copy plus this round trip; ``kvsvc/(torch + RT)``
+  is kvsvc against that floor.
 
 While kvsvc's calls run, the cores its copy threads (``kvsvc-copy-N``) and its
 event-loop thread keep busy are read from /proc/PID/task/*/stat: a copy thread
@@ -48,10 +53,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Callable, Sequence
 
+import grpc
 import torch
 
 from benchmarks.common import (
@@ -62,8 +70,11 @@ from benchmarks.common import (
     bench_interleaved,
     md_table,
 )
+from benchmarks.control_plane import Subprocess
+from benchmarks.echo_server import REPLY_BYTES, REQUEST_BYTES, BidiEcho
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
+from kvsvc.limits import channel_options
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -107,25 +118,20 @@ def run(
     store_bytes = SMOKE_STORE_BYTES if smoke else STORE_BYTES
     torch.set_num_threads(threads)
     rows: list[dict] = []
-    with KvsvcServer(threads=threads, store_bytes=store_bytes, shm_dir=shm_dir) as server:
-        for region, chunk_blocks, batch, n_clients in cases(clients, regions, smoke):
-            rows.extend(
-                run_case(
-                    server.address,
-                    shm_dir,
-                    region,
-                    chunk_blocks,
-                    batch,
-                    n_clients,
-                    seconds,
-                    threads,
-                    server.pid,
-                    store_bytes,
-                )
-            )
-            for r in rows[-2:]:
-                progress.log(r["line"])
-            progress.step(f"data plane {region} {chunk_blocks * 2} MiB x {batch} x {n_clients}")
+    echo = Subprocess([sys.executable, "-m", "benchmarks.echo_server", "grpc", "--listen",
+                       "127.0.0.1:0", "--reply-bytes", str(REPLY_BYTES)])  # fmt: skip
+    try:
+        with KvsvcServer(threads=threads, store_bytes=store_bytes, shm_dir=shm_dir) as server:
+            for region, chunk_blocks, batch, n_clients in cases(clients, regions, smoke):
+                rows.extend(
+                    run_case(server.address, shm_dir, region, chunk_blocks, batch, n_clients,
+                             seconds, threads, server.pid, store_bytes, echo.address)
+                )  # fmt: skip
+                for r in rows[-2:]:
+                    progress.log(r["line"])
+                progress.step(f"data plane {region} {chunk_blocks * 2} MiB x {batch} x {n_clients}")
+    finally:
+        echo.stop()
     return rows
 
 
@@ -134,12 +140,13 @@ def table(rows: list[dict]) -> str:
         ["region", "op", "chunk", "batch", "clients", "kvsvc GB/s", "torch copy GB/s",
          "kvsvc/torch", "cold set", "kvsvc, cold set GB/s", "torch, cold set GB/s",
          "kvsvc/torch, cold set", "preadv GB/s", "kvsvc/preadv", "memcpy GB/s", "kvsvc/memcpy",
-         "copy threads busy (cores)", "loop thread busy"],
+         "echo RT µs", "kvsvc/(torch + RT)", "copy threads busy (cores)", "loop thread busy"],
         [(r["region"], r["op"], f"{r['chunk']} MiB", r["batch"], r["clients"], f"{r['kvsvc']:.2f}",
           f"{r['plain']:.2f}", f"{r['kvsvc'] / r['plain']:.2f}",
           f"{r['cold_bytes'] / (1 << 30):.2f} GiB", f"{r['kvsvc_cold']:.2f}",
           f"{r['plain_cold']:.2f}", f"{r['kvsvc_cold'] / r['plain_cold']:.2f}", f"{r['pread']:.2f}",
           f"{r['kvsvc'] / r['pread']:.2f}", f"{r['memcpy']:.2f}", f"{r['kvsvc'] / r['memcpy']:.2f}",
+          f"{r['rt_us']:.0f}", f"{r['kvsvc'] / r['floor']:.2f}",
           f"{r['copy_cores']:.2f} of {r['threads']}",
           f"{r['loop_cores']:.2f}") for r in rows],
     )  # fmt: skip
@@ -185,10 +192,11 @@ def _pwrite_all(ops: list[Op]) -> None:
 def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: int,
              n_clients: int, seconds: float, threads: int = 2,
              server_pid: int | None = None,
-             store_bytes: int = STORE_BYTES) -> list[dict]:  # fmt: skip
+             store_bytes: int = STORE_BYTES, echo: str | None = None) -> list[dict]:  # fmt: skip
     """One case against a server of ``store_bytes``; with ``server_pid``, the cores
     its copy threads and event-loop thread keep busy while kvsvc's calls run
-    (from /proc)."""
+    (from /proc); with ``echo`` (an echo_server's address), the bare round trip
+    in the same rounds."""
     blocks = chunk_blocks * batch
     tag = f"bench-{os.getpid()}-{region}-{chunk_blocks}-{batch}-{n_clients}"
     memfd = region == "memfd"
@@ -205,6 +213,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
     fds: list[int] = []
     nbytes = blocks * BLOCK_BYTES
     out = []
+    stack = contextlib.ExitStack()
     try:
         for c in range(n_clients):
             caches.append((cache(f"{tag}-src{c}"), cache(f"{tag}-dst{c}")))
@@ -280,6 +289,15 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
         def memcpy() -> None:
             each(lambda i: flat[i].copy_(bufs[i]))
 
+        refs: dict[str, Callable[[], None]] = {"memcpy": memcpy}
+        if echo is not None:
+            channel = stack.enter_context(grpc.insecure_channel(echo, options=channel_options()))
+            echoes = [
+                stack.enter_context(BidiEcho(channel, b"\x01" * REQUEST_BYTES))
+                for _ in range(n_clients)
+            ]
+            refs["rt"] = lambda: each(lambda i: echoes[i]())
+
         def byte_ops(direction: str) -> list[list[Op]]:
             """The chunk's byte runs in the server's order (per chunk, per layer:
             the K run then the V run), against each client's src (store) or dst
@@ -331,7 +349,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
 
         stores = phase("store", {"kvsvc": store_all, "plain": plain("store", hot),
                                  "plain_cold": plain("store", cold(ring_len)),
-                                 "pread": raw("store"), "memcpy": memcpy})  # fmt: skip
+                                 "pread": raw("store"), **refs})  # fmt: skip
         stores["kvsvc_cold"] = stores["kvsvc"]  # every Store writes a fresh chunk
 
         # The chunks of the last store are present: "kvsvc" retrieves them
@@ -363,7 +381,7 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
             "retrieve",
             {"kvsvc": retrieve_all, "kvsvc_cold": lambda: retrieve_all(next(rounds)),
              "plain": plain("retrieve", hot), "plain_cold": plain("retrieve", cold(len(present))),
-             "pread": raw("retrieve"), "memcpy": memcpy},
+             "pread": raw("retrieve"), **refs},
         )  # fmt: skip
         # the blocks kvsvc retrieves are the stored ones, bit for bit (the references
         # wrote dst too: clear it first)
@@ -381,13 +399,16 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
         mib = chunk_blocks * BLOCK_BYTES >> 20
         for op, r in (("store", stores), ("retrieve", retrieves)):
             kv, ref, pread = r["kvsvc"], r["plain"], r["pread"]
+            # the round trip's µs, and the floor: the torch copy then one round trip
+            rt_us = total / r["rt"] / 1e3 if "rt" in r else float("nan")
+            floor = 1 / (1 / ref + 1 / r["rt"]) if "rt" in r else float("nan")
             kv_cold, ref_cold = r["kvsvc_cold"], r["plain_cold"]
             cold_bytes = (ring_len if op == "store" else len(present)) * nbytes * n_clients
             meter = busy[op]
             copy_cores, loop_cores = meter.cores() if meter else (float("nan"),) * 2
             out.append(dict(region=region, op=op, chunk=mib, batch=batch, clients=n_clients,
                             kvsvc=kv, plain=ref, pread=pread, threads=threads,
-                            memcpy=r["memcpy"],
+                            memcpy=r["memcpy"], rt_us=rt_us, floor=floor,
                             kvsvc_cold=kv_cold, plain_cold=ref_cold, cold_bytes=cold_bytes,
                             copy_cores=copy_cores, loop_cores=loop_cores,
                             line=f"{region:5} {op:8} {mib:2} MiB x {batch:2} x {n_clients} "
@@ -398,9 +419,11 @@ def run_case(address: str, shm_dir: str, region: str, chunk_blocks: int, batch: 
                                  f"({kv_cold / ref_cold:.2f})  "
                                  f"preadv {pread:6.2f} GB/s ({kv / pread:.2f})  "
                                  f"memcpy {r['memcpy']:6.2f} GB/s ({kv / r['memcpy']:.2f})  "
+                                 f"echo RT {rt_us:5.0f} µs: kvsvc/(torch + RT) {kv / floor:.2f}  "
                                  f"copy threads busy {copy_cores:.2f} of {threads} cores, "
                                  f"loop thread {loop_cores:.2f}"))  # fmt: skip
     finally:
+        stack.close()
         for fd in fds:
             os.close(fd)
         for src, dst in caches:

@@ -7,6 +7,9 @@ with a reply of a fixed size and doing nothing else:
 * ``zmq``: a ZMQ ROUTER socket whose loop unpacks each msgpack request and
   sends back a msgpack reply.
 
+``BidiEcho`` is the client side of the stream echo: the bare round trip of
+kvsvc's Session transport, the floor the data-plane benchmarks judge calls by.
+
     python -m benchmarks.echo_server grpc --listen 127.0.0.1:0 --reply-bytes 60
     python -m benchmarks.echo_server zmq --listen 127.0.0.1:0 --reply-bytes 60
 
@@ -17,18 +20,51 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import queue
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+import grpc
 
 ECHO_METHOD = "/bench.Echo/Echo"
 ECHO_STREAM = "/bench.Echo/Stream"
+#: Bytes of a one-chunk block Store request and its reply on the wire (about: a
+#: header, a mapping id, a key, a block id; a result with a transfer id), for the echo.
+REQUEST_BYTES, REPLY_BYTES = 160, 120
+
+
+class BidiEcho:
+    """A sync bidi-stream echo call: one request in, one reply out, in order
+    (a context manager: ``close`` ends the stream, so gRPC's thread that reads the
+    requests is not left waiting for one)."""
+
+    def __init__(self, channel: grpc.Channel, payload: bytes) -> None:
+        self.q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.payload = payload
+        self.replies = channel.stream_stream(ECHO_STREAM)(self._requests())
+
+    def _requests(self) -> Iterator[bytes]:
+        while (item := self.q.get()) is not None:
+            yield item
+
+    def __call__(self) -> None:
+        self.q.put(self.payload)
+        next(self.replies)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.replies.cancel()
+
+    def __enter__(self) -> BidiEcho:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 async def serve_grpc(listen: str, reply: bytes) -> None:
-    import grpc
-
     from kvsvc.limits import server_options
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
