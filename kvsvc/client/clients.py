@@ -96,6 +96,21 @@ def _raise(error: BaseException) -> Any:
     raise error
 
 
+def _detached(error: KVServiceError) -> KVServiceError:
+    """A typed error as a failed future keeps it: without the tracebacks of this
+    client's frames (and its causes'). Those frames hold the future, or the error,
+    through the callbacks that completed it (a finished frame keeps its caller's):
+    a cycle per failed transfer, left to the cyclic collector. ``result()`` raises
+    it with the caller's frames; the server's traceback is in the server's log."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
+
+
 def _rpcs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
     """A multicallable per RPC of the table, typed by it (what a generated stub holds)."""
     return {
@@ -364,6 +379,9 @@ class KVCacheClient(Core):
         while True:
             try:
                 step = _resume(steps, outcome)
+            except KVServiceError as exc:
+                out.set_exception(_detached(exc))
+                return
             except BaseException as exc:  # noqa: BLE001 - the future must complete
                 out.set_exception(exc)
                 return
