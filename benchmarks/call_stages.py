@@ -227,6 +227,8 @@ def run(chunk_blocks: int, calls: int, op: str, between: str = "none", gap_ms: f
                     c.retrieve(m, [(b"warm-0", ids)])
                 stamp("client: call returns")
             client_stamps = list(STAMPS)
+            copy_us = _plain_copy_us(kv.layers[0].nbytes // kv.num_blocks * chunk_blocks * 32,
+                                     calls, pause)  # fmt: skip
             proc.send_signal(signal.SIGUSR1)
             for _ in range(100):
                 time.sleep(0.1)
@@ -241,7 +243,31 @@ def run(chunk_blocks: int, calls: int, op: str, between: str = "none", gap_ms: f
         stop_process(proc, 15)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    return report(client_stamps + server_stamps, chunk_blocks, op)
+    return report(client_stamps + server_stamps, chunk_blocks, op) + (
+        f"\n\nreference: a one-thread contiguous torch copy of the same bytes in this process,"
+        f" with the same pauses between copies: median {copy_us:.0f} µs"
+    )
+
+
+def _plain_copy_us(nbytes: int, calls: int, pause: Callable[[], None]) -> float:
+    """Median µs of a plain copy of ``nbytes`` under the same between-calls regime: what
+    the regime alone (caches, a halted vCPU to wake) does to a copy with no call."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        took = []
+        for _ in range(calls):
+            pause()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            took.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(took)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def report(stamps: list[tuple[str, int]], chunk_blocks: int, op: str) -> str:
