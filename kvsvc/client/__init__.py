@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvsvc.client.calls import DEFAULT, MappingHandle
 from kvsvc.client.clients import AsyncKVCacheClient, KVCacheClient
+from kvsvc.client.plans import DEFAULT, MappingHandle
 from kvsvc.client.tls import ClientTLS
 
 if TYPE_CHECKING:

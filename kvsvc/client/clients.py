@@ -26,12 +26,12 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 import grpc
 
 from kvsvc.client import calls, session
-from kvsvc.client.calls import (
+from kvsvc.client.calls import Core
+from kvsvc.client.plans import (
     CALLS,
     DEFAULT,
     BlockChunkList,
     Blocking,
-    Core,
     MappingHandle,
     Parallel,
     Plan,

@@ -31,8 +31,9 @@ from typing import Any
 
 import grpc
 
-from kvsvc.client.calls import SERVICE, _header, _unwrap
+from kvsvc.client.calls import _header, _unwrap
 from kvsvc.client.native import KeyTable, new_table
+from kvsvc.client.plans import SERVICE
 from kvsvc.errors import (
     KVServiceError,
     ProtocolViolation,

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from kvsvc.client.calls import SERVICE, Plan
+from kvsvc.client.plans import SERVICE, Plan
 from kvsvc.framing import FIELDS, SESSION_BATCH, batched, speaks_batches
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 

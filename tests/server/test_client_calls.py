@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvsvc.client import AsyncKVCacheClient, KVCacheClient, calls, session
+from kvsvc.client import AsyncKVCacheClient, KVCacheClient, plans, session
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 # What `import kvsvc.client` may load: the wire types, errors, limits, framing, ids
@@ -24,6 +24,7 @@ CLIENT_MODULES = {
     "kvsvc",
     "kvsvc.client",
     "kvsvc.client.calls",
+    "kvsvc.client.plans",
     "kvsvc.client.clients",
     "kvsvc.client.fdpass",
     "kvsvc.client.session",
@@ -82,13 +83,13 @@ def test_sync_and_async_clients_have_the_same_methods_and_signatures() -> None:
 
 
 def test_the_table_of_calls_covers_the_service_with_its_own_types() -> None:
-    methods = {call.method for call in calls.CALLS}
+    methods = {call.method for call in plans.CALLS}
     # Session carries Lookup, Store, Retrieve and Fence (kvsvc.client.session), not a
     # call of its own.
     # WatchEvents is followed by the presence index (kvsvc.client.presence).
-    assert methods == set(calls.SERVICE.methods_by_name) - {"Session", "WatchEvents"}
+    assert methods == set(plans.SERVICE.methods_by_name) - {"Session", "WatchEvents"}
     assert set(session.FIELDS) <= methods
-    for call in calls.CALLS:
+    for call in plans.CALLS:
         assert call.request is getattr(pb, f"{call.method}Request")
         assert call.response is getattr(pb, f"{call.method}Response")
         assert call.result is getattr(pb, f"{call.method}Result")
@@ -97,4 +98,4 @@ def test_the_table_of_calls_covers_the_service_with_its_own_types() -> None:
 
 def test_a_call_whose_result_type_is_not_the_protos_is_refused_at_import() -> None:
     with pytest.raises(TypeError, match=r"StoreResponse\.result is not"):
-        calls.Call("Store", pb.RetrieveResult, calls.TRANSFER, calls.Lease.TRANSFER)
+        plans.Call("Store", pb.RetrieveResult, plans.TRANSFER, plans.Lease.TRANSFER)
