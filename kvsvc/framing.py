@@ -17,6 +17,11 @@ SESSION_BATCH = "kvsvc-session-batch"
 #: A batch stays under this many bytes (a bigger request or answer, inline data,
 #: goes alone).
 BATCH_BYTES = 1 << 20
+#: Metadata of a unary inline Store of at least BATCH_BYTES: its size in bytes, so
+#: the server can refuse it (capacity, --inline-budget-bytes) before it asks gRPC
+#: for the message; HTTP/2 flow control keeps the rest with the client meanwhile.
+#: Such a Store goes unary, not as one Session frame the stream would have to take.
+REQUEST_BYTES = "kvsvc-request-bytes"
 #: The unary RPCs a session carries -> their SessionRequest/SessionResponse field.
 FIELDS = {"Lookup": "lookup", "Store": "store", "Retrieve": "retrieve", "Fence": "fence"}
 

@@ -63,6 +63,7 @@ from kvsvc.errors import (
     from_grpc_error,
     from_remote_error,
 )
+from kvsvc.framing import BATCH_BYTES
 from kvsvc.ids import new_request_id
 from kvsvc.limits import DEFAULT_CONTROL_DEADLINE_S, DEFAULT_TRANSFER_DEADLINE_S, validate_deadline
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -401,7 +402,10 @@ def put(
     body = pb.InlineChunks(
         namespace=namespace, chunks=[pb.InlineChunk(key=k, data=d) for k, d in chunks]
     )
-    return (yield from _send(c._plan(PUT, pb.StoreRequest(header=_header(), inline=body), timeout)))
+    plan = c._plan(PUT, pb.StoreRequest(header=_header(), inline=body), timeout)
+    if (size := plan.request.ByteSize()) >= BATCH_BYTES:
+        plan.declared = size  # unary, its size declared: refused before it is read
+    return (yield from _send(plan))
 
 
 def get_many(

@@ -43,6 +43,7 @@ from kvsvc.client.presence import STALE_AFTER_S, AsyncPresenceIndex, BatchCallba
 from kvsvc.client.session import AsyncSession, StreamStatus, SyncSession
 from kvsvc.client.tls import ClientTLS
 from kvsvc.errors import NO_TRANSFER, UNKNOWN, Cancelled, KVServiceError
+from kvsvc.framing import REQUEST_BYTES
 from kvsvc.limits import channel_options
 
 __all__ = [
@@ -152,6 +153,15 @@ def _call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     if not token or any(c in token for c in "\r\n "):
         raise ValueError("token must be a non-empty string without spaces or newlines")
     return (("authorization", f"Bearer {token}"),)
+
+
+def _unary_metadata(
+    metadata: tuple[tuple[str, str], ...] | None, plan: Plan[Any]
+) -> tuple[tuple[str, str], ...] | None:
+    """A unary call's metadata: the token's, and a large inline Store's size."""
+    if not plan.declared:
+        return metadata
+    return (*(metadata or ()), (REQUEST_BYTES, str(plan.declared)))
 
 
 def _face(method: F, op: Callable[..., Any]) -> F:
@@ -350,7 +360,7 @@ class KVCacheClient(Core):
                 if not self._unsupported(exc):
                     raise
         return self._rpcs[plan.call.method](
-            plan.request, timeout=plan.timeout, metadata=self._metadata
+            plan.request, timeout=plan.timeout, metadata=_unary_metadata(self._metadata, plan)
         )
 
     def _settled(self, f: concurrent.futures.Future[Any], plan: Plan[Any]) -> Any:
@@ -412,7 +422,9 @@ class KVCacheClient(Core):
         def unary() -> None:
             try:
                 call = self._rpcs[plan.call.method].future(
-                    plan.request, timeout=plan.timeout, metadata=self._metadata
+                    plan.request,
+                    timeout=plan.timeout,
+                    metadata=_unary_metadata(self._metadata, plan),
                 )
             except grpc.RpcError as exc:  # pragma: no cover - future() itself rarely raises
                 self._advance(out, steps, (None, self._transport_error(plan, exc)))
@@ -493,7 +505,7 @@ class AsyncKVCacheClient(Core):
                     raise
                 self.use_session = False  # the server has no Session RPC: unary from now on
         return await self._rpcs[plan.call.method](
-            plan.request, timeout=plan.timeout, metadata=self._metadata
+            plan.request, timeout=plan.timeout, metadata=_unary_metadata(self._metadata, plan)
         )
 
     async def __aenter__(self) -> AsyncKVCacheClient:

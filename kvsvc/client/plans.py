@@ -170,6 +170,9 @@ class Plan(Generic[ResT]):
     timeout: float
     mapping: MappingHandle | None = None
     blocks: frozenset[int] = frozenset()
+    #: an inline Store's size, declared in its metadata (kvsvc.framing.REQUEST_BYTES);
+    #: 0: a request small enough for the Session
+    declared: int = 0
 
     @property
     def request_id(self) -> str:

@@ -70,7 +70,8 @@ def _with_queued(
 
 
 def carries(plan: Plan[Any]) -> bool:
-    return plan.call.method in FIELDS
+    """Large inline Stores go unary (kvsvc.framing.REQUEST_BYTES)."""
+    return plan.call.method in FIELDS and not plan.declared
 
 
 def _request(rid: int, plan: Plan[Any]) -> pb.SessionRequest:

@@ -388,9 +388,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return self._session(handler)
         if handler is not None and handler_call_details.method == WATCH_EVENTS_METHOD:
             return self._watch(handler)
-        if handler is None or handler.unary_unary is None:
+        # Store is served request-streaming (kvsvc.server.data.budget.declared): a
+        # unary call on the wire, identified as one.
+        kind = "unary_unary" if handler is not None and handler.unary_unary else "stream_unary"
+        if handler is None or getattr(handler, kind) is None:
             return self._streaming(handler, handler_call_details)
-        inner = handler.unary_unary
+        inner = getattr(handler, kind)
         auth = self.auth
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -404,7 +407,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 TENANT.reset(token)
 
-        return handler._replace(unary_unary=behavior)  # type: ignore[attr-defined,no-any-return]
+        return handler._replace(**{kind: behavior})  # type: ignore[attr-defined,no-any-return]
 
     def _session(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The Session stream carries Lookup/Store/Retrieve/Fence: it is identified as

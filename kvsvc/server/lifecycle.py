@@ -146,6 +146,7 @@ class Server:
         budget = self.servicer.budget
         for method in service.methods:
             assert not method.client_streaming or method.server_streaming, method.full_name
+            behavior = getattr(servicer, method.name)
             make = (
                 grpc.stream_stream_rpc_method_handler
                 if method.client_streaming
@@ -153,8 +154,11 @@ class Server:
                 if method.server_streaming
                 else grpc.unary_unary_rpc_method_handler
             )
+            if method.full_name == "kvsvc.v1.KVCacheService.Store" and budget.limit:
+                # read only once its declared size is admitted (budget.declared)
+                behavior, make = budget.declared(behavior), grpc.stream_unary_rpc_method_handler
             handlers[method.name] = make(
-                getattr(servicer, method.name),
+                behavior,
                 request_deserializer=budget.parser(
                     request_parser(GetMessageClass(method.input_type)),
                     GetMessageClass(method.input_type),

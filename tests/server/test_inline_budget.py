@@ -11,14 +11,18 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from support import ServerThread
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import CapacityExhausted, KVServiceError
+from kvsvc.framing import REQUEST_BYTES
+from kvsvc.limits import channel_options
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data import budget as budget_module
 from kvsvc.v1 import kv_cache_service_pb2 as pb
+from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -113,3 +117,74 @@ def test_a_session_message_is_read_for_its_ids_without_parsing_it() -> None:
     ids, largest = budget_module.session_ids(first.SerializeToString())
     assert sorted(ids) == [7, 9, 11] and largest == first.store.ByteSize()
     assert budget_module.session_ids(b"\xff\xff") == ([], 0)  # not a message: nothing read
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak resident bytes of process ``pid`` so far (/proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_a_declared_inline_store_is_refused_before_the_server_receives_it(spawn) -> None:
+    """kvsvc's client sends a large inline Store unary with its size declared; the
+    server refuses one that can never fit before asking gRPC for the message, so
+    its bytes stay with the client (HTTP/2 flow control): the server's peak memory
+    does not grow by the message (it grew by two of them, gRPC's and Python's copy,
+    when the whole message was received before the size gate)."""
+    srv = spawn("--store-bytes", "32MiB")
+    big = b"\x01" * (160 * MiB)
+    with KVCacheClient(srv.address, session=True) as client:
+        client.lookup([b"warm"], namespace="ns")
+        before = _vm_hwm(srv.proc.pid)
+        for i in range(3):
+            with pytest.raises(CapacityExhausted) as ei:
+                client.put("ns", [(b"big%d" % i, big)], timeout=60)
+            assert ei.value.reason == "REQUEST_EXCEEDS_CAPACITY" and not ei.value.retryable
+        grew = _vm_hwm(srv.proc.pid) - before
+        assert grew < 64 * MiB, f"the server's peak RSS grew by {grew >> 20} MiB"
+        data = os.urandom(12 * MiB)  # a large one that fits is read, stored, given back
+        assert client.put("ns", [(b"fits", data)]).stored_chunks == 1
+        assert client.get("ns", b"fits") == data
+
+
+def _inline_store(data: bytes) -> pb.StoreRequest:
+    return pb.StoreRequest(
+        header=pb.RequestHeader(envelope_version=1, request_id="r" * 32),
+        inline=pb.InlineChunks(namespace="ns", chunks=[pb.InlineChunk(key=b"k", data=data)]),
+    )
+
+
+def test_a_declared_size_gates_before_the_bytes_and_the_real_size_still_counts(
+    shm_dir: Path,
+) -> None:
+    """Any client may declare (kvsvc.framing.REQUEST_BYTES): a size that cannot fit is
+    refused whatever follows it; one that says less than it sends is judged by what
+    it sends; and the session stream's frames are still gated by their raw size."""
+    config = ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=16 * MiB, shm_dir=str(shm_dir)
+    )
+    st = ServerThread(config)
+    try:
+        budget = st.server.servicer.budget
+        with grpc.insecure_channel(st.address, options=channel_options()) as ch:
+            stub = pb_grpc.KVCacheServiceStub(ch)
+            small, big = _inline_store(b"s" * 1024), _inline_store(os.urandom(24 * MiB))
+            declared = [(REQUEST_BYTES, str(64 * MiB))]
+            r = stub.Store(small, metadata=declared, timeout=30)
+            assert r.WhichOneof("outcome") == "error", r
+            assert r.error.reason == "REQUEST_EXCEEDS_CAPACITY"
+            r = stub.Store(big, metadata=[(REQUEST_BYTES, str(2 * MiB))], timeout=30)
+            assert r.error.reason == "REQUEST_EXCEEDS_CAPACITY"
+            r = stub.Store(_inline_store(os.urandom(2 * MiB)), timeout=30)  # undeclared
+            assert r.result.stored_chunks == 1
+            frame = pb.SessionRequest(id=7, store=big)
+            (answer,) = list(stub.Session(iter([frame]), timeout=30))
+            assert answer.id == 7 and answer.error.reason == "REQUEST_EXCEEDS_CAPACITY"
+        assert budget.refused == 3
+        with budget._lock:  # given back: swept when the next large request comes
+            budget._sweep()
+        assert budget.held_bytes == 0
+    finally:
+        st.stop()

@@ -8,18 +8,20 @@ server one budget of memory, not eight messages parsed and copied around."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from google.protobuf.message import Message
 
-from kvsvc.errors import CapacityExhausted, KVServiceError, Unparsed
-from kvsvc.framing import BATCH_BYTES
+from kvsvc.errors import CapacityExhausted, KVServiceError, MalformedRequest, Unparsed
+from kvsvc.framing import BATCH_BYTES, REQUEST_BYTES
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 #: Requests from this size on are counted (a session batch stays under it: a bigger
@@ -41,6 +43,9 @@ log = logging.getLogger(__name__)
 _ID, _STORE, _MORE = 1, 4, 7
 
 Parser = Callable[[bytes], Any]
+#: Bytes a unary Store's declared size reserved before its message was read: its
+#: parser (run in the handler's task as it reads) takes them over, not counting twice.
+_ADMITTED: contextvars.ContextVar[int] = contextvars.ContextVar("kvsvc_admitted", default=0)
 
 
 @dataclass
@@ -74,7 +79,17 @@ class InlineBudget:
             n = len(raw)
             if n < COUNTED_MIN_BYTES:
                 return parse(raw)
-            refusal = self._refusal(raw, store, session)
+            admitted = _ADMITTED.get()
+            refusal = None
+            if admitted:
+                _ADMITTED.set(0)
+                if n <= admitted:
+                    n = admitted  # reserved when it was declared
+                else:  # more than it said: the declared bytes back, the real size gated
+                    self._give_back(admitted)
+                    admitted = 0
+            if not admitted:
+                refusal = self._refusal(raw, store, session)
             if refusal is not None:
                 self.refused += 1
                 ids = session_ids(raw)[0] if session else []
@@ -89,10 +104,53 @@ class InlineBudget:
 
         return gated
 
+    def declared(
+        self, behavior: Callable[[Any, Any], Awaitable[Any]]
+    ) -> Callable[[AsyncIterator[Any], Any], Awaitable[Any]]:
+        """Store's unary ``behavior`` as a request-streaming one (the wire is the same),
+        so that it reads its message only after the size a client declared
+        (``kvsvc.framing.REQUEST_BYTES``) is admitted: one refused is answered at
+        once, its bytes left with the client by HTTP/2 flow control, where a unary
+        handler would have had gRPC receive all of them first. Undeclared requests
+        are gated by the parser as before."""
+
+        async def gated(requests: AsyncIterator[Any], context: Any) -> Any:
+            n = _declared_bytes(context.invocation_metadata()) if self.limit else 0
+            token = None
+            if n >= COUNTED_MIN_BYTES:
+                refusal = self._admit(n, n)
+                if refusal is not None:
+                    self.refused += 1
+                    return await behavior(Unparsed(refusal), context)
+                token = _ADMITTED.set(n)
+            try:
+                # Read through the context, not ``requests``: grpc's generator keeps
+                # the message it yielded (and so its budget) in a reference cycle.
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    request = Unparsed(MalformedRequest("a Store call without a request"))
+            finally:
+                if token is not None:
+                    left = _ADMITTED.get()  # not taken over: no message, or a small one
+                    _ADMITTED.reset(token)
+                    if left:
+                        self._give_back(left)
+            return await behavior(request, context)
+
+        return gated
+
+    def _give_back(self, n: int) -> None:
+        with self._lock:
+            self.held_bytes -= n
+
     def _refusal(self, raw: bytes, store: bool, session: bool) -> KVServiceError | None:
         """Why ``raw`` is refused before it is parsed, or None (its bytes reserved)."""
         n = len(raw)
-        stored = n if store else session_ids(raw)[1] if session else 0
+        return self._admit(n, n if store else session_ids(raw)[1] if session else 0)
+
+    def _admit(self, n: int, stored: int) -> KVServiceError | None:
+        """Why a request of ``n`` bytes that stores ``stored`` is refused, or None (``n``
+        reserved)."""
         capacity = self._capacity()
         if stored > capacity + STORE_FRAMING_BYTES:
             return CapacityExhausted(
@@ -153,6 +211,17 @@ class InlineBudget:
                 held.pins -= 1
                 if not held.pins:
                     self.held_bytes -= self._held.pop(id(message)).nbytes
+
+
+def _declared_bytes(metadata: Any) -> int:
+    """The size a client declared (``REQUEST_BYTES``), 0 if none or not a number."""
+    for key, value in metadata or ():
+        if key == REQUEST_BYTES:
+            try:
+                return max(0, int(value))
+            except (TypeError, ValueError):
+                return 0
+    return 0
 
 
 def session_ids(raw: bytes) -> tuple[list[int], int]:
