@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -187,4 +188,39 @@ def test_a_declared_size_gates_before_the_bytes_and_the_real_size_still_counts(
             budget._sweep()
         assert budget.held_bytes == 0
     finally:
+        st.stop()
+
+
+def test_a_declared_store_that_never_sends_gives_its_budget_back(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that declares a size and sends nothing, without a deadline, holds the
+    budget it reserved no longer than a held message may (HELD_MAX_S, short here):
+    it is answered DEADLINE_EXCEEDED and the bytes are given back."""
+    monkeypatch.setattr(budget_module, "HELD_MAX_S", 1.0)
+    config = ServerConfig.from_settings(
+        listen="127.0.0.1:0", store_bytes=16 * MiB, shm_dir=str(shm_dir)
+    )
+    st = ServerThread(config)
+    release = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        release.wait(60)  # sends no message until the test is over
+        return
+        yield b""
+
+    try:
+        budget = st.server.servicer.budget
+        with grpc.insecure_channel(st.address, options=channel_options()) as ch:
+            store = ch.stream_unary(
+                "/kvsvc.v1.KVCacheService/Store",
+                response_deserializer=pb.StoreResponse.FromString,
+            )
+            fut = store.future(nothing(), metadata=[(REQUEST_BYTES, str(4 * MiB))])
+            r = fut.result(60)
+            assert r.error.reason == "DEADLINE_EXCEEDED", r
+            release.set()
+        assert budget.held_bytes == 0
+    finally:
+        release.set()
         st.stop()

@@ -8,6 +8,7 @@ server one budget of memory, not eight messages parsed and copied around."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import sys
@@ -20,7 +21,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from kvsvc.errors import CapacityExhausted, KVServiceError, MalformedRequest, Unparsed
+from kvsvc.errors import (
+    CapacityExhausted,
+    DeadlineExceeded,
+    KVServiceError,
+    MalformedRequest,
+    Unparsed,
+)
 from kvsvc.framing import BATCH_BYTES, REQUEST_BYTES
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -126,7 +133,16 @@ class InlineBudget:
             try:
                 # Read through the context, not ``requests``: grpc's generator keeps
                 # the message it yielded (and so its budget) in a reference cycle.
-                request = await context.read()
+                # Bounded: a client that declares and sends nothing holds the budget
+                # no longer than its deadline, or than a held message may.
+                remaining = context.time_remaining()
+                wait = HELD_MAX_S if remaining is None else min(remaining, HELD_MAX_S)
+                try:
+                    request = await asyncio.wait_for(context.read(), max(wait, 0.0))
+                except TimeoutError:
+                    request = Unparsed(
+                        DeadlineExceeded(f"no Store message came within {wait:.1f} s")
+                    )
                 if request is grpc.aio.EOF:
                     request = Unparsed(MalformedRequest("a Store call without a request"))
             finally:
