@@ -137,8 +137,10 @@ class InlineBudget:
                 # no longer than its deadline, or than a held message may.
                 remaining = context.time_remaining()
                 wait = HELD_MAX_S if remaining is None else min(remaining, HELD_MAX_S)
-                try:
-                    request = await asyncio.wait_for(context.read(), max(wait, 0.0))
+                try:  # in this task (wait_for would read in another, whose context
+                    # the parser's hand-over of _ADMITTED would not reach)
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        request = await context.read()
                 except TimeoutError:
                     request = Unparsed(
                         DeadlineExceeded(f"no Store message came within {wait:.1f} s")
