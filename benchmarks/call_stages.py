@@ -74,10 +74,11 @@ def asyncio_function(fn: Callable[..., Any]) -> bool:
 
 
 def patch_server(out: str) -> None:
-    from kvsvc.server import session as sessions
-    from kvsvc.server import transfers
-    from kvsvc.server.data import copies, transfer
-    from kvsvc.server.servicer import KVCacheServicer as servicer
+    from kvsvc.server.data import copies
+    from kvsvc.server.data import engine as transfer
+    from kvsvc.server.handlers import transfers
+    from kvsvc.server.rpc.servicer import KVCacheServicer as servicer
+    from kvsvc.server.rpc.wrapper import session as sessions
 
     handlers = transfers.Transfers
     _wrap(sessions.Sessions, "_request", "server: request task starts", "server: request done")

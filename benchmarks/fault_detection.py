@@ -41,7 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.common import cpu_seconds
 from kvsvc.client import AsyncKVCacheClient, KVCacheClient
 from kvsvc.errors import FatalServerError, InvalidRequest, KVServiceError, RemoteHandlerError
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops.health import SERVICE_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING

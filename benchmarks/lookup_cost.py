@@ -12,7 +12,7 @@ other (gRPC core) threads per call, from /proc:
 5. ``kvsvc``: kvsvc's server as shipped.
 
 Servers are measured in alternating rounds. The patches touch private
-attributes of kvsvc.server.lifecycle and kvsvc.server.servicer; if they no longer exist
+attributes of kvsvc.server.ops.lifecycle and kvsvc.server.rpc.servicer; if they no longer exist
 the rung fails loudly.
 
     python -m benchmarks.lookup_cost [--seconds 4] [--rounds 2] [--concurrency 8]
@@ -68,8 +68,8 @@ async def _serve_proto() -> None:
 
 
 async def _serve_kvsvc(rung: str) -> None:
-    from kvsvc.server import lifecycle as kv_server
     from kvsvc.server.config import ServerConfig
+    from kvsvc.server.ops import lifecycle as kv_server
 
     class _NoMetric:
         def labels(self, *args: object) -> _NoMetric:

@@ -2,7 +2,7 @@
 
 A transfer's request id is its transfer id, which a Fence names: an id that could
 be guessed from another would let one client wait on or bar another's copies
-(tenants are kept apart on the server as well, see kvsvc.server.auth). ``os.urandom``
+(tenants are kept apart on the server as well, see kvsvc.server.security.auth). ``os.urandom``
 costs one ``getrandom`` call (about 1.5 µs); a counter behind a random prefix was
 cheaper but predictable. A forked child draws its own bytes, so it never repeats
 its parent's ids.

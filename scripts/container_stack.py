@@ -42,7 +42,7 @@ from typing import Any
 from kvsvc.cli.healthprobe import SERVING, UNHEALTHY, parse_duration, probe
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import FatalServerError, KVServiceError, Unauthenticated
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops.health import SERVICE_NAME
 
 # The container's ports (docker/Dockerfile): gRPC (credentials), health only, metrics.
 GRPC_PORT, HEALTH_PORT, METRICS_PORT = 50051, 50052, 9400

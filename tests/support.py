@@ -26,7 +26,7 @@ from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.store import ChunkStore
-from kvsvc.server.lifecycle import Server
+from kvsvc.server.ops.lifecycle import Server
 
 REPO = Path(__file__).resolve().parent.parent
 

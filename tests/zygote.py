@@ -67,7 +67,7 @@ def _reap(pid: int, limit: float) -> int | None:
 def _zygote() -> None:
     # The imports every child shares (torch, grpc, the server): paid once.
     import kvsvc.cli.main
-    import kvsvc.server.lifecycle  # noqa: F401
+    import kvsvc.server.ops.lifecycle  # noqa: F401
 
     print("ready", flush=True)
     for line in sys.stdin:

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from kvsvc.cli.main import main
-from kvsvc.server.lifecycle import Server
+from kvsvc.server.ops.lifecycle import Server
 
 _add = Server._add_service
 

@@ -37,7 +37,7 @@ from kvsvc.server.config import ConfigError, ServerConfig, check_shm_dir
 @contextmanager
 def embedded_server(shm_dir: str) -> Iterator[str]:
     """A server on 127.0.0.1 in a background thread, for a demo with no --target."""
-    from kvsvc.server.lifecycle import Server
+    from kvsvc.server.ops.lifecycle import Server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from kvsvc import __version__
 from kvsvc.logs import setup_logging
-from kvsvc.server import failpoints
 from kvsvc.server.config import (
     TOKEN_FILE_ENV,
     ConfigError,
@@ -23,6 +22,7 @@ from kvsvc.server.config import (
     env_name,
     read_token_file,
 )
+from kvsvc.server.ops import failpoints
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "demo":
         from kvsvc.cli.demo import run_demo
-        from kvsvc.server.auth import warn_if_exposed
+        from kvsvc.server.security.auth import warn_if_exposed
 
         setup_logging("WARNING", "text")
         try:
@@ -174,7 +174,7 @@ def _drop_namespace(args: argparse.Namespace) -> int:
 
 
 def _init_auth(path: str) -> int:
-    from kvsvc.server.auth import TOKEN_FILE_NAME, init_tenant_file
+    from kvsvc.server.security.auth import TOKEN_FILE_NAME, init_tenant_file
 
     if not path:
         print(
@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         failpoints.load_from_env()  # the only place a failpoint table is installed
     except ValueError as exc:
         return _refuse(f"{failpoints.ENV}: {exc}")
-    from kvsvc.server.lifecycle import serve as run_server
+    from kvsvc.server.ops.lifecycle import serve as run_server
 
     try:
         return asyncio.run(run_server(config))

@@ -81,7 +81,9 @@ class BoundedLog:
 
 
 MALFORMED_LOG_INTERVAL_S = 10.0
-_malformed_log = BoundedLog(logging.getLogger("kvsvc.server.servicer"), MALFORMED_LOG_INTERVAL_S)
+_malformed_log = BoundedLog(
+    logging.getLogger("kvsvc.server.rpc.servicer"), MALFORMED_LOG_INTERVAL_S
+)
 
 
 def request_parser(message_cls: type[Message]) -> Callable[[bytes], Message | Unparsed]:

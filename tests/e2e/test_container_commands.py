@@ -38,7 +38,6 @@ import grpc
 import pytest
 
 from kvsvc.cli.healthprobe import SERVING, probe
-from kvsvc.server.auth import TOKEN_FILE_NAME
 from kvsvc.server.config import (
     SETTINGS,
     ServerConfig,
@@ -48,7 +47,8 @@ from kvsvc.server.config import (
     parse_server_config,
     read_token_file,
 )
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops.health import SERVICE_NAME
+from kvsvc.server.security.auth import TOKEN_FILE_NAME
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 

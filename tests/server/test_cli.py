@@ -28,7 +28,7 @@ from kvsvc.server.config import (
     env_name,
     parse_server_config,
 )
-from kvsvc.server.lifecycle import Server
+from kvsvc.server.ops.lifecycle import Server
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses
 
@@ -318,7 +318,7 @@ def test_demo_against_a_failed_server_says_so(make_server, shm_dir: Path) -> Non
 
 
 def test_init_auth_writes_a_private_tenant_file_and_token_once(tmp_path: Path) -> None:
-    from kvsvc.server.auth import load_tables
+    from kvsvc.server.security.auth import load_tables
 
     tenants = tmp_path / "auth" / "tenants.json"
     tenants.parent.mkdir()

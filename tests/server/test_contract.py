@@ -16,7 +16,7 @@ from support import NOT_SERVING, SERVING, health_status, wait_health, wait_infli
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import MAX_MESSAGE_BYTES, from_remote_error, to_remote_error, truncate_utf8
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops.health import SERVICE_NAME
 from kvsvc.v1 import error_pb2
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc

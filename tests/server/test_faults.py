@@ -47,8 +47,8 @@ from kvsvc.errors import (
     UnsupportedRequest,
     from_remote_error,
 )
-from kvsvc.server import failpoints
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops import failpoints
+from kvsvc.server.ops.health import SERVICE_NAME
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 

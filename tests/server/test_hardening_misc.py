@@ -32,10 +32,10 @@ from kvsvc.errors import (
     RegionUnavailable,
     from_remote_error,
 )
-from kvsvc.server import health as health_module
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.health import SERVICE_NAME, Watchdog
-from kvsvc.server.lifecycle import Server
+from kvsvc.server.ops import health as health_module
+from kvsvc.server.ops.health import SERVICE_NAME, Watchdog
+from kvsvc.server.ops.lifecycle import Server
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses

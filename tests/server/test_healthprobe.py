@@ -21,7 +21,7 @@ from kvsvc.cli.healthprobe import (
 )
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import FatalServerError
-from kvsvc.server.health import SERVICE_NAME
+from kvsvc.server.ops.health import SERVICE_NAME
 
 
 def probe(*flags: str) -> subprocess.CompletedProcess[str]:

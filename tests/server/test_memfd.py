@@ -237,7 +237,7 @@ def test_auto_fd_socket_that_cannot_be_made_turns_memfds_off_loudly(
 ) -> None:
     from kvsvc.client import KVCacheClient
     from kvsvc.server.config import ServerConfig
-    from kvsvc.server.lifecycle import Server
+    from kvsvc.server.ops.lifecycle import Server
 
     missing = tmp_path / "no-such-dir"
     st = make_server(shm_dir=str(missing))

@@ -99,7 +99,7 @@ def test_a_tenants_namespace_share_quota_applies_within_its_share(make_server, t
 
 @pytest.mark.parametrize("bad", [0, 1.5, "half", True])
 def test_a_bad_namespace_share_in_the_tenant_file_is_refused(bad) -> None:
-    from kvsvc.server.auth import TenantFileError, parse_tables
+    from kvsvc.server.security.auth import TenantFileError, parse_tables
 
     with pytest.raises(TenantFileError, match="namespace_share"):
         parse_tables({"tenants": {"t": {"quota": {"namespace_share": bad}}}})

@@ -29,8 +29,8 @@ from support import SERVING, ServerThread, fill_random, health_status, make_cach
 
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
-from kvsvc.server import failpoints
 from kvsvc.server.config import ServerConfig
+from kvsvc.server.ops import failpoints
 from kvsvc.server.tiers.redis import CLOSED, OPEN, RemoteTier, Resolver, redis_key
 from kvsvc.server.tiers.redis import fetch as remote_module
 

@@ -25,8 +25,8 @@ from kvsvc.client import AsyncKVCacheClient, ClientTLS, KVCacheClient
 from kvsvc.errors import MappingLost, PermissionDenied, Unauthenticated
 from kvsvc.ids import new_request_id
 from kvsvc.limits import MiB
-from kvsvc.server.auth import Authenticator, TenantFileError, parse_tables
 from kvsvc.server.config import ServerConfig
+from kvsvc.server.security.auth import Authenticator, TenantFileError, parse_tables
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import MALFORMED_LOG_INTERVAL_S, REASONS
-from kvsvc.server.auth import AUTH_LOG_INTERVAL_S
+from kvsvc.server.security.auth import AUTH_LOG_INTERVAL_S
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 EXAMPLES = int(os.environ.get("KVSVC_FUZZ_EXAMPLES", "1000"))
@@ -167,7 +167,7 @@ def fuzz_server(tmp_path_factory):
         (time.monotonic() - started) / min(AUTH_LOG_INTERVAL_S, MALFORMED_LOG_INTERVAL_S) + 1
     )
     assert len(warnings) <= bound, warnings[:5]
-    allowed = ("kvsvc.server.auth: unauthenticated", "does not parse")
+    allowed = ("kvsvc.server.security.auth: unauthenticated", "does not parse")
     assert all(any(a in w for a in allowed) for w in warnings), [
         w for w in warnings if not any(a in w for a in allowed)
     ][:3]

@@ -27,7 +27,7 @@ from kvsvc.errors import (
     TransferUnprovable,
 )
 from kvsvc.framing import SESSION_BATCH, speaks_batches
-from kvsvc.server.lifecycle import Server
+from kvsvc.server.ops.lifecycle import Server
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 

@@ -26,7 +26,7 @@ from support import ServerProcess
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import PermissionDenied, TransferUnprovable, Unauthenticated
 from kvsvc.ids import new_request_id
-from kvsvc.server.auth import Authenticator
+from kvsvc.server.security.auth import Authenticator
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -301,7 +301,7 @@ def test_the_warning_names_only_what_can_be_taken(tmp_path, caplog, plaintext, m
     digest = __import__("hashlib").sha256(TOKEN_A.encode()).hexdigest()
     tokens = [TOKEN_A] if plaintext else [{"sha256": digest}]
     path = write_tenants(tmp_path / "t.json", {"t": {"tokens": tokens}}, mode=mode)
-    with caplog.at_level(logging.WARNING, logger="kvsvc.server.auth"):
+    with caplog.at_level(logging.WARNING, logger="kvsvc.server.security.auth"):
         Authenticator(str(path), client_certs=False)
     assert (len([r for r in caplog.records if "readable by" in r.message]) == 1) is warned
 

@@ -19,8 +19,8 @@ from kvsvc.errors import (
     KVServiceError,
     ServiceNotServing,
 )
-from kvsvc.server import failpoints
-from kvsvc.server.data.transfer import LOOP_SHARE_MAX_BYTES, TransferEngine
+from kvsvc.server.data.engine import LOOP_SHARE_MAX_BYTES, TransferEngine
+from kvsvc.server.ops import failpoints
 
 
 async def test_a_copy_queued_behind_a_fatal_one_never_starts() -> None:

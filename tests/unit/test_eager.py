@@ -1,4 +1,4 @@
-"""kvsvc.server.eager.eager: a Session request that never waits is answered in the
+"""kvsvc.server.rpc.eager.eager: a Session request that never waits is answered in the
 reader's own step; one that waits goes on in a task exactly as if it had been a
 task from the start (its context, its cancellation, its errors). The wrapper's
 deadline (``Within``) keeps to the same rules, and bounds what waits."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvsvc.server.eager import Within, eager
+from kvsvc.server.rpc.eager import Within, eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="outer")
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvsvc.errors import BoundedLog
 from kvsvc.errors.envelope import describe
-from kvsvc.server.rpc import Tracebacks
+from kvsvc.server.rpc.wrapper import Tracebacks
 
 
 def _fail(where: int) -> BaseException:

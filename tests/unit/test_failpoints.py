@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvsvc.cli import main as cli
-from kvsvc.server import failpoints
+from kvsvc.server.ops import failpoints
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def inert() -> Iterator[None]:
 def test_importing_kvsvc_ignores_the_environment() -> None:
     """Before: the table was parsed at import, so a bad one made `import` raise."""
     code = (
-        "from kvsvc.server import failpoints\nfrom kvsvc.cli import main as cli\n"
+        "from kvsvc.server.ops import failpoints\nfrom kvsvc.cli import main as cli\n"
         "assert not failpoints.ENABLED and failpoints.active() == {}\n"
         "failpoints.hit('store.put')\n"
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsvc.server.metrics import Metrics
+from kvsvc.server.ops.metrics import Metrics
 
 
 @dataclass

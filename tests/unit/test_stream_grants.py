@@ -1,4 +1,4 @@
-"""kvsvc.server.credentials: open streams' grants against a real Authenticator and
+"""kvsvc.server.security.credentials: open streams' grants against a real Authenticator and
 tenant file -- revoked on reload when the token goes or names another tenant, a
 watch's grant ended (UNAVAILABLE) when its tenant's namespaces change, a Session's
 grant following the new tables, and expiry by one timer (or by the per-request
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from kvsvc.server.auth import Authenticator
+from kvsvc.server.security.auth import Authenticator
 
 TOKEN = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)

@@ -2,20 +2,6 @@
 KVSVC_* variables generated from the declarations (sources), the checks against this
 host before serving (checks), value parsers (values), and fixed limits (constants)."""
 
-from kvsvc.server.config.checks import (
-    TOKEN_FILE_ENV,
-    check_host,
-    check_listen,
-    check_remote_tls,
-    check_security,
-    check_shm_dir,
-    check_unix_socket,
-    grpc_socket,
-    is_local_address,
-    read_token_file,
-    remote_password,
-    socket_gid,
-)
 from kvsvc.server.config.constants import (
     FD_LEASES_MAX,
     FD_PEER_TIMEOUT_S,
@@ -35,6 +21,20 @@ from kvsvc.server.config.constants import (
     REMOTE_SOCKET_READ_BYTES,
     REMOTE_WRITE_BATCH_BYTES,
     REMOTE_WRITERS,
+)
+from kvsvc.server.config.host import (
+    TOKEN_FILE_ENV,
+    check_host,
+    check_listen,
+    check_remote_tls,
+    check_security,
+    check_shm_dir,
+    check_unix_socket,
+    grpc_socket,
+    is_local_address,
+    read_token_file,
+    remote_password,
+    socket_gid,
 )
 from kvsvc.server.config.setting import ConfigError, Setting
 from kvsvc.server.config.settings import (

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from kvsvc.errors import LayoutMismatch
-from kvsvc.server import failpoints
 from kvsvc.server.data.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
+from kvsvc.server.ops import failpoints
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from kvsvc.errors import (
 from kvsvc.server.data.workers import CopyWorkers, WorkerDied
 
 #: The engine's log, whichever of its modules writes.
-log = logging.getLogger("kvsvc.server.data.transfer")
+log = logging.getLogger("kvsvc.server.data.engine")
 T = TypeVar("T")
 _REMEMBERED = 100_000  # completed and barred ids kept for Fence's answers
 

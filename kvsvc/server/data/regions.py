@@ -443,7 +443,7 @@ class Mapping:
     closing: bool = False
     #: kvsvc.server.data.copies' copy plans of this mapping by block ids: they die with it.
     plans: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False, compare=False)
-    #: the tenant (kvsvc.server.auth) that mapped it: no other sees it
+    #: the tenant (kvsvc.server.security.auth) that mapped it: no other sees it
     tenant: str = "default"
 
     @classmethod

@@ -15,7 +15,7 @@ eviction plan is made before anything is evicted, so a Store that fails evicts
 nothing.
 
 Eviction weighs owners (tenants) by their share of the store, and with namespace
-shares (kvsvc.server.auth.Quota.namespace_share) each namespace by its share of
+shares (kvsvc.server.security.auth.Quota.namespace_share) each namespace by its share of
 its owner's: a burst in one namespace evicts that namespace's own chunks first.
 ``drop_namespace`` discards one namespace's chunks at once (a user deleted).
 """
@@ -68,7 +68,7 @@ class Chunk:
     readers: int = 0
     alloc_size: int = field(default=0)
     meta_size: int = field(default=0)
-    #: the tenant whose Store made it (kvsvc.server.auth): eviction weighs it by its share
+    #: the tenant whose Store made it (kvsvc.server.security.auth): eviction weighs it by its share
     owner: str = ""
     #: dropped while read-pinned (ChunkStore.discard): freed by its last release
     discarded: bool = False

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvsvc.errors import FINISHED, NOT_STARTED, KVServiceError
-from kvsvc.server import failpoints
 from kvsvc.server.data.ledger import Transfer, TransferLedger
 from kvsvc.server.data.workers import even_shares
+from kvsvc.server.ops import failpoints
 
-log = logging.getLogger("kvsvc.server.data.transfer")  # the engine's log
+log = logging.getLogger("kvsvc.server.data.engine")  # the engine's log
 T = TypeVar("T")
 
 

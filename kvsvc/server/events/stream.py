@@ -20,12 +20,12 @@ import grpc
 
 from kvsvc.errors import NO_TRANSFER, KVServiceError, Unparsed, to_remote_error
 from kvsvc.ids import new_request_id
-from kvsvc.server.auth import Tenant, current_tenant
-from kvsvc.server.checks import check_namespace
 from kvsvc.server.data.store import Chunk
 from kvsvc.server.events.log import Below, EventLog
 from kvsvc.server.events.ring import CLEARED, REMOVED, STORED, Event
-from kvsvc.server.rpc import LOGGER, Call, check_envelope_version
+from kvsvc.server.handlers.requests import check_namespace
+from kvsvc.server.rpc.wrapper import LOGGER, Call, check_envelope_version
+from kvsvc.server.security.auth import Tenant, current_tenant
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)

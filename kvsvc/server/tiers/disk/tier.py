@@ -162,7 +162,7 @@ class DiskTier:
                 self.events.stored(namespace, [chunk_key], layout, entry.size, pb.TIER_DISK)
         on_ready()
 
-    # --- what metrics read (kvsvc.server.metrics.DiskView) ---
+    # --- what metrics read (kvsvc.server.ops.metrics.DiskView) ---
     @property
     def files(self) -> int:
         return len(self.index)
@@ -312,7 +312,7 @@ class DiskTier:
 
     def _victim(self, owner: str, need: int) -> ChunkKey:
         """The least recently used file, preferring owners over their disk share: the
-        store's share of its capacity (kvsvc.server.auth.Quota.store_share), applied
+        store's share of its capacity (kvsvc.server.security.auth.Quota.store_share), applied
         to --disk-capacity; the writer counted with what it asks."""
         entries = self.index.entries
         oldest = next(iter(entries))

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import redis.exceptions as rx
 
 from kvsvc.errors import BoundedLog
-from kvsvc.server import failpoints
 from kvsvc.server.config import REMOTE_BREAKER_OPEN_S, REMOTE_DNS_REFRESH_S
+from kvsvc.server.ops import failpoints
 
 log = logging.getLogger("kvsvc.server.tiers.redis")
 #: at most one such warning per 10 s for the whole tier (a failing Redis fails every call)

@@ -28,7 +28,7 @@ from kvsvc.server.tiers.redis.writer import WriteBehind
 
 class RemoteTier(Runs, Fetches, WriteBehind):
     """One per server: ``present`` (Lookup), ``fetch`` (Retrieve), ``write_behind``
-    (after a Store). Public counters are read by kvsvc.server.metrics (RemoteStats)."""
+    (after a Store). Public counters are read by kvsvc.server.ops.metrics (RemoteStats)."""
 
     def start(self) -> None:
         """Check the credentials once: refused ones are a ConfigError (they will not

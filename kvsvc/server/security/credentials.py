@@ -7,8 +7,8 @@ credentials it was opened with, as a digest, never the token) in
 :class:`OpenStreams`, which re-checks every open grant when the tables change and
 at the earliest expiry among them (one timer for all streams: no polling per
 stream). A grant that no longer resolves to its tenant is revoked: its stream
-stops taking requests and ends with UNAUTHENTICATED (kvsvc.server.auth's
-interceptor does the ending; kvsvc.server.session checks the grant per request,
+stops taking requests and ends with UNAUTHENTICATED (kvsvc.server.security.auth's
+interceptor does the ending; kvsvc.server.rpc.session checks the grant per request,
 so no request is served in the moment between expiry and the timer).
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
-log = logging.getLogger("kvsvc.server.auth")
+log = logging.getLogger("kvsvc.server.security.auth")
 
 #: A timer armed further ahead than this re-arms then (a wall clock that jumps is
 #: caught within this bound).
@@ -42,7 +42,7 @@ class Credentials:
 
 
 class Named(Protocol):
-    """What a grant needs of kvsvc.server.auth's Tenant (which imports this module)."""
+    """What a grant needs of kvsvc.server.security.auth's Tenant (which imports this module)."""
 
     @property
     def name(self) -> str: ...
@@ -67,7 +67,7 @@ class Grant(Generic[Tenant]):
     watch: bool
     #: done once revoked: (status code, why) -- the interceptor ends the stream with it
     ended: asyncio.Future[tuple[grpc.StatusCode, str]]
-    #: what the stream does to stop reading at once (kvsvc.server.session's stop)
+    #: what the stream does to stop reading at once (kvsvc.server.rpc.session's stop)
     stops: list[Callable[[], None]] = field(default_factory=list)
 
     @property

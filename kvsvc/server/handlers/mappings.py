@@ -22,13 +22,13 @@ from kvsvc.errors import (
     RegionUnavailable,
 )
 from kvsvc.layout import rank_label, rank_metadata
-from kvsvc.server import failpoints
-from kvsvc.server.checks import check_namespace, quota_exceeded
 from kvsvc.server.config import MAPPING_REAP_INTERVAL_S, ServerConfig
 from kvsvc.server.data import fdbroker
+from kvsvc.server.data.engine import TransferEngine, reply_budget
 from kvsvc.server.data.regions import Mapping, RankMapping, open_rank
-from kvsvc.server.data.transfer import TransferEngine, reply_budget
-from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.handlers.requests import check_namespace, quota_exceeded
+from kvsvc.server.ops import failpoints
+from kvsvc.server.rpc.wrapper import LOGGER, Call
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvsvc.errors import FINISHED, NOT_STARTED, UNKNOWN, FatalServerError, KVServiceError
-from kvsvc.server import failpoints
 from kvsvc.server.data.ledger import Transfer, TransferLedger
 from kvsvc.server.data.stream import Stream
 from kvsvc.server.data.workers import even_shares
+from kvsvc.server.ops import failpoints
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 alike: it checks the header, admits transfers (health, tenant quota), runs the
 handler within its deadline and turns any exception into a RemoteError reply
 with the request id, the traceback logged under that id. No request is dropped
-and every one is counted (DESIGN §4). The handlers: kvsvc.server.servicer."""
+and every one is counted (DESIGN §4). The handlers: kvsvc.server.rpc.servicer."""
 
 from __future__ import annotations
 
@@ -31,17 +31,17 @@ from kvsvc.errors import (
 )
 from kvsvc.ids import new_request_id
 from kvsvc.logs import REQUEST_ID
-from kvsvc.server import failpoints
-from kvsvc.server.auth import DEFAULT_TENANT, Tenant, current_tenant
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.data.transfer import TransferEngine
-from kvsvc.server.eager import Within
-from kvsvc.server.health import Health
-from kvsvc.server.metrics import Metrics
+from kvsvc.server.data.engine import TransferEngine
+from kvsvc.server.ops import failpoints
+from kvsvc.server.ops.health import Health
+from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.rpc.eager import Within
+from kvsvc.server.security.auth import DEFAULT_TENANT, Tenant, current_tenant
 
 #: The request log: every handler's lines under one name, whichever module handles
 #: the request (the name operators filter on; lifecycle and errors log under it too).
-LOGGER = "kvsvc.server.servicer"
+LOGGER = "kvsvc.server.rpc.servicer"
 log = logging.getLogger(LOGGER)
 #: How long after a Session request's deadline the server stops waiting for it.
 SESSION_GRACE_S = 1.0
@@ -60,7 +60,7 @@ class Call:
         self.deadline = deadline
         self.transfer = transfer
         self.started = False
-        #: who calls (kvsvc.server.auth): every mapping, namespace and transfer id it
+        #: who calls (kvsvc.server.security.auth): every mapping, namespace and transfer id it
         #: names is its own
         self.tenant = tenant
         #: the transfer engine's id of this call: tenants never share one

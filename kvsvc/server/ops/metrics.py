@@ -58,7 +58,7 @@ class StoreStats(Protocol):
 
 
 class ServingState(Protocol):
-    """What the health gauges read (kvsvc.server.health.Health has these)."""
+    """What the health gauges read (kvsvc.server.ops.health.Health has these)."""
 
     @property
     def serving(self) -> bool: ...

@@ -21,14 +21,14 @@ from grpc_reflection.v1alpha import reflection
 from kvsvc import __version__
 from kvsvc.errors import request_parser
 from kvsvc.limits import server_options
-from kvsvc.server.auth import Authenticator, AuthInterceptor, TenantFileError
 from kvsvc.server.config import ConfigError, ServerConfig, grpc_socket, socket_gid
 from kvsvc.server.data import fdbroker
-from kvsvc.server.health import Health, Watchdog
-from kvsvc.server.servicer import KVCacheServicer
+from kvsvc.server.ops.health import Health, Watchdog
+from kvsvc.server.rpc.servicer import KVCacheServicer
+from kvsvc.server.security.auth import Authenticator, AuthInterceptor, TenantFileError
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
-log = logging.getLogger("kvsvc.server.servicer")
+log = logging.getLogger("kvsvc.server.rpc.servicer")
 STOP_GRACE_S = 0.5
 #: How long a stop waits at least for Session and Watch streams to end by themselves.
 STREAMS_END_S = 5.0

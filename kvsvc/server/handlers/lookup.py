@@ -8,11 +8,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kvsvc.limits import MAX_KEY_BYTES
-from kvsvc.server.checks import check_keys, check_namespace, oneof
 from kvsvc.server.data.store import INLINE_LAYOUT, ChunkStore
-from kvsvc.server.mappings import Mapper
-from kvsvc.server.metrics import Metrics
-from kvsvc.server.rpc import Call
+from kvsvc.server.handlers.mappings import Mapper
+from kvsvc.server.handlers.requests import check_keys, check_namespace, oneof
+from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.rpc.wrapper import Call
 from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.v1 import kv_cache_service_pb2 as pb

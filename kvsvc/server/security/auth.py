@@ -44,9 +44,9 @@ from typing import Any
 import grpc
 
 from kvsvc.errors import BoundedLog, PermissionDenied
-from kvsvc.server.credentials import GRANT, Credentials, OpenStreams
+from kvsvc.server.security.credentials import GRANT, Credentials, OpenStreams
 
-log = logging.getLogger("kvsvc.server.auth")
+log = logging.getLogger("kvsvc.server.security.auth")
 
 #: Tenant names go into internal keys as ``<tenant>/<id>``: no '/' in them.
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -104,7 +104,7 @@ DEFAULT_TENANT = Tenant("default", default=True)
 #: The caller's tenant, set by the interceptor around each call (the default tenant
 #: when the server has no authentication).
 TENANT: contextvars.ContextVar[Tenant] = contextvars.ContextVar("kvsvc_tenant")
-#: the one stream whose messages are calls of their own (kvsvc.server.servicer.Session)
+#: the one stream whose messages are calls of their own (kvsvc.server.rpc.servicer.Session)
 SESSION_METHOD = "/kvsvc.v1.KVCacheService/Session"
 #: the events stream (kvsvc.server.events): its handler reads current_tenant()
 WATCH_EVENTS_METHOD = "/kvsvc.v1.KVCacheService/WatchEvents"
@@ -412,7 +412,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def _session(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The Session stream carries Lookup/Store/Retrieve/Fence: it is identified as
         a unary call is, every request it carries runs as the tenant its token names
-        in the tables in force when the request is read (kvsvc.server.session checks
+        in the tables in force when the request is read (kvsvc.server.rpc.session checks
         :data:`GRANT`), and it ends when the token is revoked or expires."""
         inner = handler.stream_stream
 

@@ -1,5 +1,5 @@
 """The Session stream's server end: many calls on one stream, each request run
-through its unary RPC's wrapper (kvsvc.server.rpc) under its own deadline, and
+through its unary RPC's wrapper (kvsvc.server.rpc.wrapper) under its own deadline, and
 answered as soon as it is ready, in any order, batched when the client speaks
 batches (kvsvc.framing holds the framing both ends share)."""
 
@@ -14,12 +14,12 @@ import grpc
 from kvsvc.errors import NO_TRANSFER, KVServiceError, Unparsed, to_remote_error
 from kvsvc.framing import SESSION_BATCH, batched, speaks_batches
 from kvsvc.ids import new_request_id
-from kvsvc.server.auth import TENANT
-from kvsvc.server.checks import oneof
-from kvsvc.server.credentials import GRANT
 from kvsvc.server.data.budget import InlineBudget
-from kvsvc.server.eager import eager
-from kvsvc.server.rpc import LOGGER
+from kvsvc.server.handlers.requests import oneof
+from kvsvc.server.rpc.eager import eager
+from kvsvc.server.rpc.wrapper import LOGGER
+from kvsvc.server.security.auth import TENANT
+from kvsvc.server.security.credentials import GRANT
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)
@@ -66,10 +66,10 @@ class Sessions:
         answer is most of a Lookup's cost). When the stream ends, pending requests are
         cancelled as a unary call whose client went away would be (a started copy
         stays tracked for Fence). Under authentication every request is checked
-        against the stream's grant when it is read (kvsvc.server.credentials): it runs
+        against the stream's grant when it is read (kvsvc.server.security.credentials): it runs
         as the tenant its token names in the tables in force; once the token is
         revoked or expired the reader stops, and the requests not run are answered
-        by the stream's UNAUTHENTICATED status (kvsvc.server.auth ends it)."""
+        by the stream's UNAUTHENTICATED status (kvsvc.server.security.auth ends it)."""
         # Sent at once: a client writes no request before it knows the server has
         # this RPC (an older server's UNIMPLEMENTED then never races a write).
         await context.send_initial_metadata(((SESSION_BATCH, "1"),))

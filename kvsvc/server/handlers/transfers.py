@@ -1,7 +1,7 @@
 """Store, Retrieve and Fence: the RPCs that move bytes. A handler checks the
 chunks, picks each one's engine side (kvsvc.server.data.copies), reserves or pins
 them in the store and hands the copy to the transfer engine
-(kvsvc.server.data.transfer), which checks every chunk in the pass that copies it;
+(kvsvc.server.data.engine), which checks every chunk in the pass that copies it;
 a Retrieve's loaded prefix ends before the first chunk that failed, whose stored
 copy is dropped. Fence proves that copies have ended. Missing keys of a Retrieve come from the Redis
 tier, streamed into the engine's side as they arrive."""
@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvsvc.errors import NOT_STARTED, UNKNOWN, DeadlineExceeded, InvalidRequest, KVServiceError
-from kvsvc.server import failpoints
-from kvsvc.server.checks import check_keys, check_namespace, oneof, quota_exceeded
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.copies import (
     Blocks,
@@ -28,11 +26,13 @@ from kvsvc.server.data.copies import (
     segment_count,
     tasks,
 )
+from kvsvc.server.data.engine import Stream, TransferEngine, reply_budget
 from kvsvc.server.data.store import INLINE_LAYOUT, Chunk, ChunkStore
-from kvsvc.server.data.transfer import Stream, TransferEngine, reply_budget
-from kvsvc.server.mappings import Mapper
-from kvsvc.server.metrics import Metrics
-from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.handlers.mappings import Mapper
+from kvsvc.server.handlers.requests import check_keys, check_namespace, oneof, quota_exceeded
+from kvsvc.server.ops import failpoints
+from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.rpc.wrapper import LOGGER, Call
 from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -66,7 +66,7 @@ class Transfers:
         self.disk: DiskTier | None = None
 
     def admit(self, call: Call) -> None:
-        """A transfer within its tenant's quota (kvsvc.server.auth.Quota), else
+        """A transfer within its tenant's quota (kvsvc.server.security.auth.Quota), else
         RESOURCE_EXHAUSTED before anything is reserved; keeps the store's view of
         the tenant's share current (a reloaded tenant file takes effect here)."""
         tenant = call.tenant

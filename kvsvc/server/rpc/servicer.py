@@ -1,12 +1,12 @@
 """The kvsvc.v1 servicer: builds the server's parts from its configuration (the
 store, the Redis tier, the transfer engine, the fd socket, metrics) and names each
 RPC's response type and handler, every one run through the one wrapper
-(kvsvc.server.rpc). Where each RPC is handled: Map and Unmap in
-kvsvc.server.mappings; Store, Retrieve and Fence in kvsvc.server.transfers;
-Lookup in kvsvc.server.lookup; DropNamespace in kvsvc.server.namespaces; the
-Session stream in kvsvc.server.session; the WatchEvents stream in
+(kvsvc.server.rpc.wrapper). Where each RPC is handled: Map and Unmap in
+kvsvc.server.handlers.mappings; Store, Retrieve and Fence in kvsvc.server.handlers.transfers;
+Lookup in kvsvc.server.handlers.lookup; DropNamespace in kvsvc.server.handlers.namespaces; the
+Session stream in kvsvc.server.rpc.session; the WatchEvents stream in
 kvsvc.server.events; GetServerInfo here. Start, signals and stop:
-kvsvc.server.lifecycle."""
+kvsvc.server.ops.lifecycle."""
 
 from __future__ import annotations
 
@@ -26,19 +26,19 @@ from kvsvc.errors import ENVELOPE_VERSION, KVServiceError, ServiceNotServing
 from kvsvc.server.config import ConfigError, ServerConfig, shm_owner_uids, socket_gid
 from kvsvc.server.data import fdbroker
 from kvsvc.server.data.budget import InlineBudget
+from kvsvc.server.data.engine import TransferEngine
 from kvsvc.server.data.store import ChunkStore
-from kvsvc.server.data.transfer import TransferEngine
 from kvsvc.server.events import EventLog, StoreEvents, Watchers
-from kvsvc.server.health import Health
-from kvsvc.server.lookup import Lookups
-from kvsvc.server.mappings import Mapper
-from kvsvc.server.metrics import Metrics
-from kvsvc.server.namespaces import Namespaces
-from kvsvc.server.rpc import LOGGER, Call, rpc
-from kvsvc.server.session import Sessions
+from kvsvc.server.handlers.lookup import Lookups
+from kvsvc.server.handlers.mappings import Mapper
+from kvsvc.server.handlers.namespaces import Namespaces
+from kvsvc.server.handlers.transfers import Transfers
+from kvsvc.server.ops.health import Health
+from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.rpc.session import Sessions
+from kvsvc.server.rpc.wrapper import LOGGER, Call, rpc
 from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
-from kvsvc.server.transfers import Transfers
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -219,7 +219,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def Session(  # type: ignore[override]  # answers by context.write, not by yield
         self, requests: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        """Many calls on one stream, each through its RPC's wrapper (kvsvc.server.session)."""
+        """Many calls on one stream, each through its RPC's wrapper (kvsvc.server.rpc.session)."""
         await self.sessions.serve(requests, context)
 
     async def WatchEvents(  # type: ignore[override]  # answers by context.write

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc.errors import FatalServerError, KVServiceError, ServiceNotServing, Unparsed
 
 if TYPE_CHECKING:
-    from kvsvc.server.data.transfer import TransferEngine
+    from kvsvc.server.data.engine import TransferEngine
 
 SERVICE_NAME = "kvsvc.v1.KVCacheService"
 NAMES = ("", SERVICE_NAME)

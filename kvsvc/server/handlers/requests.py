@@ -1,6 +1,6 @@
 """What handlers check in a request's body, one place for each rule: keys,
 namespaces (granted to the caller), oneofs this server knows, and the error a
-tenant over its quota gets. The header is the wrapper's (kvsvc.server.rpc)."""
+tenant over its quota gets. The header is the wrapper's (kvsvc.server.rpc.wrapper)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 from kvsvc.errors import CapacityExhausted, InvalidRequest, UnsupportedRequest
 from kvsvc.limits import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
-from kvsvc.server.auth import Tenant
-from kvsvc.server.rpc import Call
+from kvsvc.server.rpc.wrapper import Call
+from kvsvc.server.security.auth import Tenant
 
 
 def check_keys(keys: list[bytes]) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
-from kvsvc.server.checks import check_namespace
+from kvsvc.server.data.engine import reply_budget
 from kvsvc.server.data.store import ChunkStore
-from kvsvc.server.data.transfer import reply_budget
 from kvsvc.server.events import EventLog
-from kvsvc.server.rpc import LOGGER, Call
+from kvsvc.server.handlers.requests import check_namespace
+from kvsvc.server.rpc.wrapper import LOGGER, Call
 from kvsvc.server.tiers.disk import DiskTier
 from kvsvc.server.tiers.redis import RemoteTier
 from kvsvc.v1 import kv_cache_service_pb2 as pb
