@@ -248,7 +248,7 @@ def test_off_by_default_no_directory_is_made(make_server, tmp_path: Path) -> Non
     os.chdir(tmp_path)
     try:
         srv = make_server(store_bytes=8 * MiB)
-        assert srv.server.servicer.disk is None
+        assert srv.server.servicer.tiers.named("disk") is None
         with KVCacheClient(srv.address) as c:
             chunks = make_chunks(40, b"d")
             for item in chunks:
@@ -287,7 +287,7 @@ def test_a_full_disk_skips_writes_and_fails_no_call(make_server, small_tmpfs: Pa
     is the stored bytes or a miss (from memory or disk), never other bytes."""
     root = small_tmpfs / "disk"
     srv = make_server(store_bytes=8 * MiB, disk_dir=str(root), disk_capacity=1 << 30)
-    disk = srv.server.servicer.disk
+    disk = srv.server.servicer.tiers.named("disk")
     assert disk is not None
     chunks = make_chunks(40, b"full")
     with KVCacheClient(srv.address) as c:
@@ -350,7 +350,7 @@ def test_a_restart_refuses_damaged_files_and_drops_interrupted_writes(
     st = ServerThread(cfg)
     try:
         wait_health(st.address, SERVING)
-        disk = st.server.servicer.disk
+        disk = st.server.servicer.tiers.named("disk")
         assert disk is not None
         assert disk.stats.indexed_chunks == 1
         assert disk.stats.refused == {"bad_header": 1, "truncated": 1}, disk.stats
@@ -384,7 +384,7 @@ def test_evict_mode_keeps_what_memory_evicts(config, tmp_path: Path) -> None:
             on_disk = len(chunk_files(root))
             assert 0 < on_disk < len(chunks)
             assert c.lookup([k for k, _ in chunks], namespace=NS) == len(chunks)
-            disk = st.server.servicer.disk
+            disk = st.server.servicer.tiers.named("disk")
             assert disk is not None
             for key, data in chunks:
                 assert c.get(NS, key) == data, key
@@ -493,7 +493,7 @@ def test_large_chunks_are_written_with_o_direct_and_come_back_bit_exact(
     cfg = config.replace(store_bytes=64 * MiB, disk_dir=str(root))
     st = ServerThread(cfg)
     try:
-        disk = st.server.servicer.disk
+        disk = st.server.servicer.tiers.named("disk")
         assert disk is not None
         with KVCacheClient(st.address) as c:
             wait_health(st.address, SERVING)

@@ -428,7 +428,7 @@ def test_the_redis_tier_as_far_as_this_server_saw_it(make_server, watch, tmp_pat
         again = watch(a.address)
         again.resync()
         assert again.tiers == {("ns", b"k", pb.TIER_MEMORY), ("ns", b"k", pb.TIER_REDIS)}
-        remote = b.server.servicer.remote
+        remote = b.server.servicer.tiers.named("redis")
         assert remote is not None
 
         async def fetch() -> int:
@@ -505,7 +505,7 @@ def test_a_restarted_redis_withdraws_what_was_announced_in_it(make_server, watch
             c.put("ns", [(b"k3", b"three")])
             last = _tier_events(w, last, {("ns", b"k3", pb.TIER_REDIS)})
             redis.cli("FLUSHALL")  # same run: only a miss can tell
-            remote = a.server.servicer.remote
+            remote = a.server.servicer.tiers.named("redis")
             assert remote is not None
 
             async def ask() -> list[bool]:

@@ -219,7 +219,7 @@ def test_a_chunk_being_read_is_freed_by_its_reader_not_under_it(server) -> None:
 def test_drop_namespace_reaches_the_disk_tier(make_server, tmp_path) -> None:
     root = tmp_path / "disk"
     st = make_server(disk_dir=str(root), disk_write="through")
-    disk = st.server.servicer.disk
+    disk = st.server.servicer.tiers.named("disk")
     with KVCacheClient(st.address) as c:
         c.put("a", [(b"k%d" % i, b"A" * 8192) for i in range(4)], timeout=10)
         c.put("b", [(b"k0", b"B" * 8192)], timeout=10)
@@ -253,7 +253,7 @@ def test_drop_namespace_reaches_the_redis_tier(make_server, tmp_path) -> None:
     redis = RedisServer(tmp_path / "redis")
     try:
         st = make_server(remote=redis.url, remote_lookup_budget=5.0)
-        remote = st.server.servicer.remote
+        remote = st.server.servicer.tiers.named("redis")
         with KVCacheClient(st.address) as c:
             c.put("a", [(b"k%d" % i, b"A" * 8192) for i in range(3)], timeout=10)
             c.put("b", [(b"k0", b"B" * 8192)], timeout=10)

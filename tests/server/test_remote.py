@@ -74,7 +74,7 @@ def node(tmp_path: Path) -> Iterator:
 
 
 def tier(st: ServerThread) -> RemoteTier:
-    remote = st.server.servicer.remote
+    remote = st.server.servicer.tiers.named("redis")
     assert remote is not None
     return remote
 

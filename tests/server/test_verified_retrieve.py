@@ -161,7 +161,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def written(st: ServerThread, n: int) -> None:
     """Wait until the server's Redis write-behind has written ``n`` chunks."""
-    tier = st.server.servicer.remote
+    tier = st.server.servicer.tiers.named("redis")
     assert tier is not None
     end = time.monotonic() + WAIT_S
     while tier.writes < n and time.monotonic() < end:

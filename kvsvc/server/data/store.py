@@ -75,6 +75,9 @@ class Chunk:
     #: the store's count of namespace drops when it was reserved: a chunk whose
     #: namespace was dropped since is not committed (ChunkStore.drop_namespace)
     drops: int = 0
+    #: the tier below memory it was loaded from ("" for a Store): the tiers' chain
+    #: writes it behind only to the tiers above that one
+    origin: str = ""
 
     @property
     def charged(self) -> int:
@@ -242,9 +245,15 @@ class ChunkStore:
 
     # --- writes ---
     def reserve(
-        self, namespace: str, wants: list[tuple[bytes, int]], layout: str, owner: str = ""
+        self,
+        namespace: str,
+        wants: list[tuple[bytes, int]],
+        layout: str,
+        owner: str = "",
+        origin: str = "",
     ) -> tuple[list[Chunk], int]:
-        """Allocate space for every (key, size) of one request, or for none.
+        """Allocate space for every (key, size) of one request, or for none
+        (``origin``: the tier the bytes are loaded from; "" for a Store).
 
         Returns (chunks, evicted). The eviction plan is made on a copy of the free
         list first, so a request that cannot be placed evicts nothing; one that
@@ -312,6 +321,7 @@ class ChunkStore:
                 meta_size=meta,
                 owner=owner,
                 drops=self._drops,
+                origin=origin,
             )
             for (key, size), offset, alloc, meta in zip(wants, offsets, allocs, metas, strict=True)
         ], len(victims)

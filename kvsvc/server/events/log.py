@@ -84,9 +84,9 @@ class EventLog:
         #: what a snapshot says of the remote tier; bounded, the oldest forgotten loudly
         self.remote: OrderedDict[RemoteKey, int] = OrderedDict()
         self.remote_keys = remote_keys
-        #: the disk tier's listing (DiskTier.contents), when the server has one: a
-        #: snapshot names what it holds, so a warm restart's contents reach the indexes
-        self.disk_contents: Callable[[], Iterable[tuple[RemoteKey, int]]] | None = None
+        #: the listings of tiers that keep one here (list_tier), by tier: a snapshot
+        #: names what they hold, so a warm restart's contents reach the indexes
+        self.listings: dict[int, Callable[[], Iterable[tuple[RemoteKey, int]]]] = {}
         self.published = 0  # events that reached the ring
         self.resyncs = 0  # lost batches sent
         self.watching = 0  # open WatchEvents streams
@@ -189,6 +189,10 @@ class EventLog:
             for hook in self.on_end:
                 hook()
 
+    def list_tier(self, tier: int, contents: Callable[[], Iterable[tuple[RemoteKey, int]]]) -> None:
+        """``contents`` lists what ``tier`` holds, for every snapshot from now on."""
+        self.listings[tier] = contents
+
     # --- the snapshot point ---
     def snapshot(self) -> tuple[int, list[Chunk], list[Below]]:
         """(S, chunks present at S, what each tier below memory holds at S), taken at
@@ -196,8 +200,8 @@ class EventLog:
         reference per present chunk and one tuple per key below (no key bytes copied)."""
         self.flush()
         below: list[Below] = []
-        if self.disk_contents is not None:
-            below.append((pb.TIER_DISK, list(self.disk_contents())))
+        for tier, contents in self.listings.items():
+            below.append((tier, list(contents())))
         below.append((pb.TIER_REDIS, list(self.remote.items())))
         return self.ring.last, self.store.chunks(), below
 

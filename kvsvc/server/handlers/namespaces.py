@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from kvsvc.server.data.engine import reply_budget
 from kvsvc.server.data.store import ChunkStore
-from kvsvc.server.events import EventLog
 from kvsvc.server.handlers.requests import check_namespace
 from kvsvc.server.rpc.wrapper import LOGGER, Call
-from kvsvc.server.tiers.disk import DiskTier
-from kvsvc.server.tiers.redis import RemoteTier
+from kvsvc.server.tiers.chain import TierChain
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)
@@ -28,39 +25,18 @@ log = logging.getLogger(LOGGER)
 class Namespaces:
     """The DropNamespace handler."""
 
-    def __init__(
-        self,
-        store: ChunkStore,
-        events: EventLog,
-        disk: DiskTier | None,
-        remote: RemoteTier | None,
-        start_id: str,
-    ) -> None:
+    def __init__(self, store: ChunkStore, tiers: TierChain, start_id: str) -> None:
         self.store = store
-        self.events = events
-        self.disk = disk
-        self.remote = remote
+        self.tiers = tiers
         self.start_id = start_id
 
     async def DropNamespace(
         self, request: pb.DropNamespaceRequest, call: Call
     ) -> pb.DropNamespaceResult:
         namespace = check_namespace(request.namespace, call)  # granted to the caller
-        result = pb.DropNamespaceResult(server_start_id=self.start_id)
+        result = pb.DropNamespaceResult(server_start_id=self.start_id, redis_complete=True)
         result.dropped_chunks, result.dropped_bytes = self.store.drop_namespace(namespace)
-        if self.disk is not None:
-            result.disk_chunks, result.disk_bytes = self.disk.drop_namespace(namespace)
-        result.redis_complete = True
-        if self.remote is not None:
-            # Announced keys leave the events' table first: a write that lands during
-            # the scan is unlinked by it or was never announced.
-            announced = [k for k in self.events.remote if k[0] == namespace]
-            for ns, key, layout in announced:
-                self.events.removed(ns, (key,), layout, pb.REMOVAL_REASON_DROPPED, pb.TIER_REDIS)
-            keys, complete = await self.remote.drop_namespace(
-                namespace, reply_budget(call.deadline) * 0.8
-            )
-            result.redis_keys, result.redis_complete = keys, complete
+        await self.tiers.drop(namespace, call.deadline, result)
         log.info(
             "namespace %r dropped by tenant %s: %d chunks in memory, %d on disk, %d Redis keys%s",
             request.namespace[:256],

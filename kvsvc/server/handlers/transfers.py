@@ -3,12 +3,12 @@ chunks, picks each one's engine side (kvsvc.server.data.copies), reserves or pin
 them in the store and hands the copy to the transfer engine
 (kvsvc.server.data.engine), which checks every chunk in the pass that copies it;
 a Retrieve's loaded prefix ends before the first chunk that failed, whose stored
-copy is dropped. Fence proves that copies have ended. Missing keys of a Retrieve come from the Redis
-tier, streamed into the engine's side as they arrive."""
+copy is dropped. Fence proves that copies have ended. Keys of a Retrieve memory
+lacks come from the tiers below it (kvsvc.server.handlers.tiered); what a Store
+commits, the tiers' chain writes behind (it follows the store)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -22,19 +22,18 @@ from kvsvc.server.data.copies import (
     Inline,
     Piece,
     Side,
-    failed_chunks,
     segment_count,
     tasks,
 )
-from kvsvc.server.data.engine import Stream, TransferEngine, reply_budget
-from kvsvc.server.data.store import INLINE_LAYOUT, Chunk, ChunkStore
+from kvsvc.server.data.engine import TransferEngine, reply_budget
+from kvsvc.server.data.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.server.handlers.mappings import Mapper
 from kvsvc.server.handlers.requests import check_keys, check_namespace, oneof, quota_exceeded
+from kvsvc.server.handlers.tiered import TieredRetrieve, drop_failed
 from kvsvc.server.ops import failpoints
 from kvsvc.server.ops.metrics import Metrics
 from kvsvc.server.rpc.wrapper import LOGGER, Call
-from kvsvc.server.tiers.disk import DiskTier
-from kvsvc.server.tiers.redis import RemoteTier
+from kvsvc.server.tiers.chain import TierChain
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger(LOGGER)
@@ -50,7 +49,7 @@ class Transfers:
         config: ServerConfig,
         store: ChunkStore,
         engine: TransferEngine,
-        remote: RemoteTier | None,
+        tiers: TierChain,
         mapper: Mapper,
         metrics: Metrics,
         start_id: str,
@@ -58,12 +57,10 @@ class Transfers:
         self.config = config
         self.store = store
         self.engine = engine
-        self.remote = remote
+        self.tiers = tiers
         self.mapper = mapper
         self.metrics = metrics
         self.start_id = start_id
-        #: the local disk tier (set by the servicer; None: no --disk-dir)
-        self.disk: DiskTier | None = None
 
     def admit(self, call: Call) -> None:
         """A transfer within its tenant's quota (kvsvc.server.security.auth.Quota), else
@@ -152,8 +149,6 @@ class Transfers:
                 if self.store.commit(chunk, chunk_digests)
             ]
             stored += len(committed)
-            if self.remote is not None and committed:
-                self.remote.write_behind(namespace, layout, committed)
 
         if todo:
             pieces = [
@@ -164,9 +159,8 @@ class Transfers:
             nbytes = sum(c.size for c, _ in todo)
             loop_safe = all(side.loop_safe for _, side in todo)
             await self._transfer(call, "store", mapping_id, nbytes, pieces, finalize, loop_safe)
-        if self.disk is not None and self.disk.waits_for_writes and todo:
-            # --disk-write through --disk-sync: the reply says the chunks are durable
-            await self.disk.durable([c.key for c, _ in todo], reply_budget(call.deadline))
+        if self.tiers and todo:  # a tier may reply only once durable (--disk-sync through)
+            await self.tiers.durable([c.key for c, _ in todo], reply_budget(call.deadline))
         if evicted:  # every Store of a full cache evicts: the reply and metrics count it
             log.debug("store %s evicted %d chunks to make room", call.request_id, evicted)
         response = pb.StoreResponse()
@@ -211,13 +205,14 @@ class Transfers:
         return result
 
     async def Retrieve(self, request: pb.RetrieveRequest, call: Call) -> pb.RetrieveResponse:
-        namespace, layout, mapping_id, sides = self._sides(request, "target", call)
+        target = self._sides(request, "target", call)
+        namespace, layout, mapping_id, sides = target
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
-        if self.disk is not None and len(chunks) < len(keys):
-            chunks = await self._load_from_disk(call, namespace, layout, keys, chunks)
-        if self.remote is not None and len(chunks) < len(keys):
-            return await self._retrieve_remote(call, namespace, layout, mapping_id, sides, chunks)
+        if self.tiers and len(chunks) < len(keys):
+            threads = self.config.data.transfer_threads
+            retrieve = TieredRetrieve(self.store, self.engine, self.tiers, threads, call, target)
+            return await retrieve.run(chunks, self.metrics, self.start_id)
         try:
             for ci, chunk in enumerate(chunks):
                 sides[ci][1].check(chunk.size, ci)
@@ -240,7 +235,7 @@ class Transfers:
 
         def finalize(results: list[list[Digest]] | None, error: BaseException | None) -> None:
             if results is not None:
-                failed.update(self._drop_failed(call, chunks, results))
+                failed.update(drop_failed(self.store, call, chunks, results))
             self.store.release(chunks)
 
         await self._transfer(
@@ -256,165 +251,6 @@ class Transfers:
         result.loaded_chunks = loaded
         result.loaded_bytes = sum(c.size for c in chunks[:loaded])
         for key, side in sides[:loaded]:
-            if isinstance(side, Inline):
-                result.chunks.add(key=key, data=bytes(side.out))
-        return response
-
-    def _drop_failed(
-        self, call: Call, chunks: list[Chunk], results: list[list[Digest]], base: int = 0
-    ) -> dict[int, Digest]:
-        """On the loop, once a Retrieve's copy (or part, whose first chunk is chunk
-        ``base``) has ended: the chunks that failed their check, dropped from the
-        store (counted, announced as removed); the reply's prefix ends before the
-        first. Their blocks hold undefined bytes that are never reported loaded."""
-        failed = failed_chunks(results)
-        for ci, (_, si, got) in sorted(failed.items()):
-            chunk = chunks[ci - base]
-            self.store.discard(chunk, "check_failed")
-            log.warning(
-                "retrieve %s: chunk %d (key %s) failed its checksum at segment %d "
-                "(stored %08x, read %08x): dropped, not loaded",
-                call.request_id,
-                ci,
-                chunk.key[1].hex()[:32],
-                si,
-                chunk.digests[si],
-                got,
-            )
-        return failed
-
-    async def _load_from_disk(
-        self, call: Call, namespace: str, layout: str, keys: list[bytes], chunks: list[Chunk]
-    ) -> list[Chunk]:
-        """The prefix pinned again after the disk tier loaded what it holds of the
-        keys that follow it (within half the reply's budget; a miss otherwise)."""
-        assert self.disk is not None
-        try:
-            loaded = await self.disk.load(
-                namespace, layout, keys[len(chunks) :], reply_budget(call.deadline) / 2
-            )
-        except BaseException:
-            self.store.release(chunks)
-            raise
-        if not loaded:
-            return chunks
-        self.store.release(chunks)
-        chunks = self.store.acquire_prefix(namespace, keys, layout)
-        self.store.release(loaded)
-        return chunks
-
-    async def _retrieve_remote(
-        self,
-        call: Call,
-        namespace: str,
-        layout: str,
-        mapping_id: str,
-        sides: list[tuple[bytes, Side]],
-        chunks: list[Chunk],
-    ) -> pb.RetrieveResponse:
-        """A Retrieve with keys missing here: they come from Redis into the store by
-        groups (a miss if not), and the copy of each committed group into the
-        engine's side starts at once, in key order, while later groups are read (one
-        streamed transfer under the call's id: Fence waits for all of it); the local
-        prefix is copied meanwhile. The reply counts the parts that were copied: a
-        prefix, since a part that cannot start (the deadline) ends it."""
-        assert self.remote is not None
-        keys = [k for k, _ in sides]
-        stream: Stream | None = None
-        loaded: list[Chunk] = []  # handed to the stream, in key order
-        failed: dict[int, Digest] = {}  # chunks that failed their check: no part after
-        cut: list[int] = []  # first chunks of parts refused as they came up (the deadline)
-        failure: BaseException | None = None  # raised once no part runs
-        over = False  # no more parts: refused, failed, or the call ended
-        t0 = time.perf_counter()
-
-        def extend() -> None:
-            """On the loop: copy the chunks committed since the last part."""
-            nonlocal stream, failure, over
-            if over or failed:
-                return
-            part = self.store.acquire_prefix(namespace, keys[len(loaded) :], layout)
-            if not part:
-                return
-            try:
-                for i, chunk in enumerate(part, len(loaded)):
-                    sides[i][1].check(chunk.size, i)
-                pieces = [
-                    piece
-                    for i, chunk in enumerate(part, len(loaded))
-                    for piece in sides[i][1].pieces(self.store.buffer(chunk), i, to_store=False)
-                ]
-            except Exception as exc:  # noqa: BLE001 - raised by the handler, after the copies
-                self.store.release(part)
-                failure, over = exc, True
-                return
-            nbytes = sum(c.size for c in part)
-            todo = tasks(pieces, nbytes, self.config.data.transfer_threads)
-            done = functools.partial(part_done, part, len(loaded))
-            if stream is None:
-                call.started = True
-                try:
-                    stream = self.engine.stream(
-                        call.key, mapping_id, call.deadline, nbytes, todo, done
-                    )
-                except Exception as exc:  # noqa: BLE001 - raised by the handler
-                    call.started = getattr(exc, "transfer_state", None) != NOT_STARTED
-                    failure, over = exc, True
-                    return
-            elif not stream.add(nbytes, todo, done):
-                over = True
-                return
-            loaded.extend(part)
-
-        def part_done(
-            part: list[Chunk],
-            base: int,
-            results: list[list[Digest]] | None,
-            error: BaseException | None,
-        ) -> None:
-            """A part's finalize: its failed chunks dropped; no longer read. A part
-            refused as it came up (the deadline) ends the prefix before it."""
-            if results is not None:
-                failed.update(self._drop_failed(call, part, results, base))
-            else:
-                cut.append(base)
-            self.store.release(part)
-
-        try:
-            self.store.release(chunks)  # extend pins them again, checked
-            extend()
-            if not over:
-                await self.remote.fetch(
-                    namespace,
-                    layout,
-                    keys[len(loaded) :],
-                    reply_budget(call.deadline) / 2,
-                    extend,
-                )
-                extend()  # keys committed meanwhile by others
-        except BaseException:  # cancelled (the deadline, the client): no part starts now
-            over = True
-            if stream is not None:
-                stream.abandon()
-            raise
-        over = True
-        if stream is not None:
-            if failure is not None:
-                stream.fail(failure)
-            await stream.end()
-        elif failure is not None:
-            raise failure
-        response = pb.RetrieveResponse()
-        result = response.result  # filled in place: a result passed in would be copied
-        result.transfer_id = call.request_id
-        result.server_start_id = self.start_id
-        if loaded:
-            nbytes = sum(c.size for c in loaded)
-            self.metrics.observe_transfer("retrieve", nbytes, time.perf_counter() - t0)
-            loaded = loaded[: min([*failed, *cut], default=len(loaded))]
-            result.loaded_chunks = len(loaded)
-            result.loaded_bytes = sum(c.size for c in loaded)
-        for key, side in sides[: len(loaded)]:
             if isinstance(side, Inline):
                 result.chunks.add(key=key, data=bytes(side.out))
         return response

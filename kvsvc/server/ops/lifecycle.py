@@ -106,10 +106,7 @@ class Server:
             if self.servicer.fds is not None:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
-            if self.servicer.remote is not None:
-                self.servicer.remote.close()
-            if self.servicer.disk is not None:
-                self.servicer.disk.close(1.0)
+            self.servicer.tiers.close(1.0)
             health = config.network.health_listen
             raise ConfigError(
                 f"cannot listen on {config.network.listen}"
@@ -239,11 +236,8 @@ class Server:
         engine.shutdown()
         if self.servicer.fds is not None:
             self.servicer.fds.close()
-        if self.servicer.remote is not None:
-            await self.servicer.remote.aclose()  # queued writes are dropped, counted
-        if self.servicer.disk is not None:  # queued disk writes finish within the grace
-            disk, left = self.servicer.disk, max(1.0, deadline - time.monotonic())
-            await asyncio.get_running_loop().run_in_executor(None, disk.close, left)
+        # Each tier finishes (disk) or drops and counts (Redis) what it queued.
+        await self.servicer.tiers.aclose(max(1.0, deadline - time.monotonic()))
 
 
 def _serializer(cls: type[Message], method: MethodDescriptor) -> Callable[[Any], bytes]:

@@ -9,7 +9,7 @@ no other kvsvc module, and a test can drive them with plain objects."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sized
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence, Sized
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -144,7 +144,7 @@ class DiskView(Protocol):
     def queued_bytes(self) -> int: ...
 
 
-class _DiskCollector:
+class DiskCollector:
     """Disk-tier counters and gauges, read from the tier when scraped."""
 
     def __init__(self, disk: DiskView) -> None:
@@ -211,6 +211,34 @@ class _DiskCollector:
         yield refused
 
 
+class TierView(Protocol):
+    """What metrics read of every tier below memory (kvsvc.server.tiers.base.Tier)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def writing(self) -> bool: ...
+    def collector(self) -> Any: ...
+
+
+class _TiersCollector:
+    """What every tier says the same way, labelled by tier."""
+
+    def __init__(self, tiers: Sequence[TierView]) -> None:
+        self.tiers = tiers
+
+    def collect(self) -> Iterator[Any]:
+        writing = GaugeMetricFamily(
+            "kvsvc_tier_writing",
+            "1 while the tier's writes land, 0 while they are skipped (counted) until it heals",
+            labels=["tier"],
+        )
+        for tier in self.tiers:
+            writing.add_metric([tier.name], 1.0 if tier.writing else 0.0)
+        yield writing
+
+
 class EventStats(Protocol):
     """What metrics read of the events stream (kvsvc.server.events.EventLog)."""
 
@@ -239,7 +267,7 @@ class _EventsCollector:
         )
 
 
-class _RemoteCollector:
+class RemoteCollector:
     """Remote-tier counters and gauges, read from the tier when scraped."""
 
     def __init__(self, remote: RemoteStats) -> None:
@@ -303,9 +331,8 @@ class Metrics:
         transfers: Callable[[], Collection[Lease]],
         mappings: Sized,
         fds: FdStats | None,
-        remote: RemoteStats | None = None,
         events: EventStats | None = None,
-        disk: DiskView | None = None,
+        tiers: Sequence[TierView] = (),
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -410,12 +437,12 @@ class Metrics:
             lambda: time.time() - health.failure_time if health.failure_time else -1.0,
         )
 
-        if remote is not None:
-            r.register(_RemoteCollector(remote))  # type: ignore[arg-type]
         if events is not None:
             r.register(_EventsCollector(events))  # type: ignore[arg-type]
-        if disk is not None:
-            r.register(_DiskCollector(disk))  # type: ignore[arg-type]
+        for tier in tiers:
+            r.register(tier.collector())
+        if tiers:
+            r.register(_TiersCollector(tiers))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._transfer_children: dict[str, tuple[Any, Any]] = {}
 

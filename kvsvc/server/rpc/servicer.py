@@ -1,5 +1,7 @@
-"""The kvsvc.v1 servicer: builds the server's parts from its configuration (the
-store, the Redis tier, the transfer engine, the fd socket, metrics) and names each
+"""The kvsvc.v1 servicer, the composition root: builds the server's parts once from
+its configuration (the store, the events log, the tiers' chain, the transfer
+engine, the fd socket, metrics), each given what it uses through its
+constructor, and names each
 RPC's response type and handler, every one run through the one wrapper
 (kvsvc.server.rpc.wrapper). Where each RPC is handled: Map and Unmap in
 kvsvc.server.handlers.mappings; Store, Retrieve and Fence in kvsvc.server.handlers.transfers;
@@ -37,8 +39,7 @@ from kvsvc.server.ops.health import Health
 from kvsvc.server.ops.metrics import Metrics
 from kvsvc.server.rpc.session import Sessions
 from kvsvc.server.rpc.wrapper import LOGGER, Call, rpc
-from kvsvc.server.tiers.disk import DiskTier
-from kvsvc.server.tiers.redis import RemoteTier
+from kvsvc.server.tiers import chain
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 from kvsvc.v1 import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -71,22 +72,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         self.store.listeners.append(StoreEvents(self.events))
         self.watchers = Watchers(self.events, config.limits.events_snapshot_page)
-        #: the shared tier behind the store (None: --remote off); checks its credentials
-        self.remote = (
-            RemoteTier(config, self.store, self.loop) if config.tiers.remote != "off" else None
-        )
-        if self.remote is not None:
-            self.remote.events = self.events
-            self.remote.start()
-        #: the local disk tier between memory and Redis (None: no --disk-dir)
-        self.disk = DiskTier(config, self.store, self.loop) if config.tiers.disk_dir else None
-        if self.disk is not None:
-            self.disk.events = self.events
-            self.events.disk_contents = self.disk.contents
-            self.store.listeners.append(self.disk)
-            if config.tiers.disk_wait_index:
-                health.hold("disk_index")
-            self.disk.start(on_ready=lambda: health.release("disk_index"))
+        #: the tiers below memory, in order (disk, Redis); each checks its settings now
+        self.tiers = chain.build(config, self.store, self.loop, self.events)
+        self.tiers.start(hold=health.hold, release=health.release)
         self.engine = TransferEngine(config.data.transfer_threads, config.data.inline_copy_bytes)
         self.engine.on_fatal = self.fatal_threadsafe
         self.fds = self._fd_broker(config)
@@ -102,17 +90,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             transfers=lambda: self.engine.inflight.values(),
             mappings=self.mappings,
             fds=self.fds,
-            remote=self.remote,
             events=self.events,
-            disk=self.disk,
+            tiers=self.tiers.tiers,
         )
         self.transfers = Transfers(
-            config, self.store, self.engine, self.remote, self.mapper, self.metrics, self.start_id
+            config, self.store, self.engine, self.tiers, self.mapper, self.metrics, self.start_id
         )
-        self.transfers.disk = self.disk
-        self.lookups = Lookups(self.store, self.remote, self.mapper, self.metrics, self.start_id)
-        self.lookups.disk = self.disk
-        self.namespaces = Namespaces(self.store, self.events, self.disk, self.remote, self.start_id)
+        self.lookups = Lookups(self.store, self.tiers, self.mapper, self.metrics, self.start_id)
+        self.namespaces = Namespaces(self.store, self.tiers, self.start_id)
         #: what large requests may hold at once (kvsvc.server.data.budget)
         self.budget = InlineBudget(config.data.inline_budget_bytes, lambda: self.store.capacity)
         self.sessions = Sessions(self, self.loop, self.budget)

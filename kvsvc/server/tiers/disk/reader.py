@@ -84,7 +84,11 @@ class Reader:
             part = todo[:n]
             try:
                 chunks, _ = self.store.reserve(
-                    namespace, [(key, e.size) for key, e in part], layout, part[0][1].owner
+                    namespace,
+                    [(key, e.size) for key, e in part],
+                    layout,
+                    part[0][1].owner,
+                    origin="disk",
                 )
             except CapacityExhausted:
                 n //= 2

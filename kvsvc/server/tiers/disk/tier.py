@@ -1,7 +1,7 @@
-"""DiskTier, what the servicer calls: a store listener that sends chunks to disk
-(every committed one with --disk-write through, behind the reply; those memory
-evicts with ``evict``, copied out in the eviction itself, before the store can
-reuse their bytes), Lookup's and Retrieve's view of what the disk holds, the
+"""DiskTier, the disk tier behind the tier interface (kvsvc.server.tiers.base):
+it writes chunks to disk (every committed one with --disk-write through, behind
+the reply; those memory evicts with ``evict``, copied out in the eviction itself,
+before the store can reuse their bytes), Lookup's and Retrieve's view of what the disk holds, the
 capacity (least recently used files removed), and its life: the directory
 checked at start (unwritable: a ConfigError naming it, exit 2), the index
 rebuilt on a thread (health held NOT_SERVING meanwhile with --disk-wait-index),
@@ -20,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
+from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
 from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
@@ -45,6 +46,10 @@ class EventSink(Protocol):
 
     def removed(
         self, namespace: str, keys: Sequence[bytes], layout: str, reason: int, tier: int
+    ) -> None: ...
+
+    def list_tier(
+        self, tier: int, contents: Callable[[], Iterator[tuple[ChunkKey, int]]]
     ) -> None: ...
 
 
@@ -71,11 +76,17 @@ class DiskStats:
     indexed_chunks: int = 0
 
 
-class DiskTier:
+class DiskTier(Tier):
     """One per server, when --disk-dir is set."""
 
+    name = "disk"
+
     def __init__(
-        self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
+        self,
+        config: ServerConfig,
+        store: ChunkStore,
+        loop: asyncio.AbstractEventLoop,
+        events: EventSink | None = None,
     ) -> None:
         t = config.tiers
         self.root = os.path.abspath(t.disk_dir)
@@ -86,8 +97,12 @@ class DiskTier:
         self.index = Index()
         self.ready = False
         self.stats = DiskStats()
-        #: the events stream, when the server has one (announces TIER_DISK changes)
-        self.events: EventSink | None = None
+        #: the events stream, when the server has one (announces TIER_DISK changes;
+        #: a snapshot lists what the disk holds, so a warm restart reaches indexes)
+        self.events = events
+        if events is not None:
+            events.list_tier(pb.TIER_DISK, self.contents)
+        self.wait_ready = t.disk_wait_index
         self.pending_bytes = 0  # files being written (counted against the capacity)
         self._writing: dict[ChunkKey, Write] = {}  # the latest write of each key
         self._unlinking: dict[str, int] = {}  # files the writer is yet to remove
@@ -106,9 +121,9 @@ class DiskTier:
         self.reader = Reader(self.root, store, loop)
 
     # --- life ---
-    def start(self, on_ready: Callable[[], None]) -> None:
+    def start(self, ready: Callable[[], None]) -> None:
         """Check the directory now (ConfigError if unusable), rebuild the index on a
-        thread; ``on_ready`` runs on the loop once it is in place."""
+        thread; ``ready`` runs on the loop once it is in place."""
         try:
             prepare(self.root)
         except OSError as exc:
@@ -117,7 +132,7 @@ class DiskTier:
             ) from None
         self.writer.start()
         threading.Thread(
-            target=self._rebuild, args=(on_ready,), name="kvsvc-disk-index", daemon=True
+            target=self._rebuild, args=(ready,), name="kvsvc-disk-index", daemon=True
         ).start()
 
     def _rebuild(self, on_ready: Callable[[], None]) -> None:
@@ -185,8 +200,16 @@ class DiskTier:
         self.writer.close(timeout)
         self.reader.close()
 
-    # --- the store's listener ---
-    def stored(self, chunk: Chunk) -> None:
+    async def aclose(self, timeout: float) -> None:
+        await self.loop.run_in_executor(None, self.close, timeout)
+
+    def collector(self) -> Any:
+        from kvsvc.server.ops.metrics import DiskCollector
+
+        return DiskCollector(self)
+
+    # --- writes (the tiers' chain follows the store) ---
+    def write_behind(self, chunk: Chunk) -> None:
         self._replace(chunk)
         if self.mode == "through" and not self._known(chunk.key):
             self._enqueue(chunk, None, bounded=not self.sync)
@@ -223,8 +246,8 @@ class DiskTier:
             self.stats.write_errors += 1
             log.warning("disk tier: removing the replaced %s failed: %s", name, exc)
 
-    def removed(self, chunk: Chunk, reason: str) -> None:
-        if self.mode != "evict" or reason != "evicted" or self._known(chunk.key):
+    def evicted(self, chunk: Chunk) -> None:
+        if self.mode != "evict" or self._known(chunk.key):
             return
         if not self.writer.has_room(chunk.size):
             self.stats.skipped_queue += 1
@@ -280,6 +303,9 @@ class DiskTier:
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
+
+    async def drop(self, namespace: str, budget: float, result: pb.DropNamespaceResult) -> None:
+        result.disk_chunks, result.disk_bytes = self.drop_namespace(namespace)
 
     def drop_namespace(self, namespace: str) -> tuple[int, int]:
         """On the loop: forget every file of ``namespace`` (announced removed, reason
@@ -358,6 +384,8 @@ class DiskTier:
         a Store with --disk-write through --disk-sync replies once its chunks are
         durable. A skipped or failed write ends the wait too (the reply is the same:
         the chunks are in memory), and so does the budget (counted: durable_late)."""
+        if not self.waits_for_writes:
+            return
         waits = []
         for key in keys:
             w = self._writing.get(key)
@@ -374,10 +402,25 @@ class DiskTier:
         return self.mode == "through" and self.sync
 
     # --- Lookup and Retrieve ---
-    def has(self, namespace: str, key: bytes, layout: str | None) -> bool:
+    def holds(self, namespace: str, key: bytes, layout: str | None) -> bool:
         return self.index.has(namespace, key, layout)
 
     async def load(
+        self,
+        namespace: str,
+        layout: str,
+        keys: list[bytes],
+        budget: float,
+        committed: Callable[[], None],
+    ) -> None:
+        loaded = await self.load_pinned(namespace, layout, keys, budget)
+        if loaded:
+            try:
+                committed()  # the caller pins its prefix while these are pinned here
+            finally:
+                self.store.release(loaded)
+
+    async def load_pinned(
         self, namespace: str, layout: str, keys: list[bytes], budget: float
     ) -> list[Chunk]:
         """Bring the leading ``keys`` memory lacks and the disk holds into the store,

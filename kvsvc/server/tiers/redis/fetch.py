@@ -293,7 +293,10 @@ class _Fetch:
         try:
             chunks, _ = (
                 store.reserve(
-                    self.namespace, [(keys[j], values[j].size) for j in todo], self.layout
+                    self.namespace,
+                    [(keys[j], values[j].size) for j in todo],
+                    self.layout,
+                    origin="redis",
                 )
                 if todo
                 else ([], 0)

@@ -1,6 +1,6 @@
-"""RemoteTier, what the servicer calls: its parts (Lookup's EXISTS, Retrieve's
-fetch, the write-behind) put together, and its life (start-up's credential
-check, close)."""
+"""RemoteTier, the Redis tier behind the tier interface (kvsvc.server.tiers.base):
+its parts (Lookup's EXISTS, Retrieve's fetch, the write-behind) put together, and
+its life (start-up's credential check, close)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,18 @@ import asyncio
 import contextlib
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
-from kvsvc.server.config import ConfigError
+from kvsvc.server.config import ConfigError, ServerConfig
+from kvsvc.server.data.store import ChunkStore
+from kvsvc.server.events import EventLog
+from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.redis.connection import reuse_freed_memory
 from kvsvc.server.tiers.redis.fetch import Fetches
 from kvsvc.server.tiers.redis.health import (
     AUTH,
+    OPEN,
     Skipped,
     Unresolved,
     caused_by,
@@ -24,13 +29,58 @@ from kvsvc.server.tiers.redis.health import (
 from kvsvc.server.tiers.redis.runs import Runs
 from kvsvc.server.tiers.redis.values import redis_keys
 from kvsvc.server.tiers.redis.writer import WriteBehind
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 
-class RemoteTier(Runs, Fetches, WriteBehind):
-    """One per server: ``present`` (Lookup), ``fetch`` (Retrieve), ``write_behind``
-    (after a Store). Public counters are read by kvsvc.server.ops.metrics (RemoteStats)."""
+class RemoteTier(Runs, Fetches, WriteBehind, Tier):
+    """One per server (--remote): ``present`` (Lookup), ``fetch`` (Retrieve),
+    ``write_behind`` (chunks committed here). Public counters are read by
+    kvsvc.server.ops.metrics (RemoteStats)."""
 
-    def start(self) -> None:
+    name = "redis"
+    asked = True  # Lookup asks Redis (one pipelined EXISTS)
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: ChunkStore,
+        loop: asyncio.AbstractEventLoop,
+        events: EventLog | None = None,
+    ) -> None:
+        super().__init__(config, store, loop)
+        #: told of what the tier found, wrote or lost (WatchEvents)
+        self.events = events
+
+    @property
+    def writing(self) -> bool:
+        """Writes are skipped (counted) while the breaker is open."""
+        return self.breaker.state != OPEN
+
+    def collector(self) -> Any:
+        from kvsvc.server.ops.metrics import RemoteCollector
+
+        return RemoteCollector(self)
+
+    async def load(
+        self,
+        namespace: str,
+        layout: str,
+        keys: list[bytes],
+        budget: float,
+        committed: Callable[[], None],
+    ) -> None:
+        await self.fetch(namespace, layout, keys, budget, committed)
+
+    async def drop(self, namespace: str, budget: float, result: pb.DropNamespaceResult) -> None:
+        """Announced keys leave the events' table first (a write that lands during
+        the scan is unlinked by it or was never announced), then the SCAN."""
+        if self.events is not None:
+            announced = [k for k in self.events.remote if k[0] == namespace]
+            for ns, key, layout in announced:
+                self.events.removed(ns, (key,), layout, pb.REMOVAL_REASON_DROPPED, pb.TIER_REDIS)
+        result.redis_keys, result.redis_complete = await self.drop_namespace(namespace, budget)
+
+    def start(self, ready: Callable[[], None] | None = None) -> None:
         """Check the credentials once: refused ones are a ConfigError (they will not
         heal by themselves); an unreachable Redis is only a warning (the breaker
         and the misses handle it until it answers), and so is a host name that does
@@ -66,8 +116,10 @@ class RemoteTier(Runs, Fetches, WriteBehind):
             self._count_error(exc)
         self._start_writers()
         self._start_run_checks()
+        if ready is not None:
+            ready()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.0) -> None:
         """Stop the writers (queued writes are dropped and counted) and the readers."""
         self._closed = True
         self._stop_run_checks()
@@ -75,7 +127,7 @@ class RemoteTier(Runs, Fetches, WriteBehind):
         self._stop_fetchers()
         self._close_client()
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float = 0.0) -> None:
         """close(), and the loop's connections (Lookup's), within --remote-timeout."""
         self.close()
         await self._close_lookups()

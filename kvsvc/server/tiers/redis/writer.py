@@ -46,19 +46,19 @@ class WriteBehind(Connections):
             for i in range(REMOTE_WRITERS)
         ]
 
-    def write_behind(self, namespace: str, layout: str, chunks: list[Chunk]) -> None:
-        """On the loop, after a Store committed ``chunks``: pin and queue each, or
-        drop and count it when the queue is full. Never waits."""
-        for chunk in chunks:
-            with self._queued_lock:
-                take = not self._closed and self.queued_bytes + chunk.size <= self.queue_limit
-                if take:
-                    self.queued_bytes += chunk.size
-            if not take:
-                self._add(dropped_writes=1)
-                continue
-            chunk.readers += 1  # the store frees nothing a writer still reads
-            self._queue.put(_Write(namespace, chunk.key[1], layout, chunk))
+    def write_behind(self, chunk: Chunk) -> None:
+        """On the loop, once ``chunk`` is committed here: pin and queue it, or drop
+        and count it when the queue is full. Never waits."""
+        with self._queued_lock:
+            take = not self._closed and self.queued_bytes + chunk.size <= self.queue_limit
+            if take:
+                self.queued_bytes += chunk.size
+        if not take:
+            self._add(dropped_writes=1)
+            return
+        chunk.readers += 1  # the store frees nothing a writer still reads
+        namespace, key, layout = chunk.key
+        self._queue.put(_Write(namespace, key, layout, chunk))
 
     @property
     def queue_depth(self) -> int:
