@@ -1,4 +1,7 @@
-"""The cache server: the RPC wrapper and servicer, the Session stream's server
-end, lifecycle and health, configuration, auth, metrics and failpoints. The data
-plane (store, transfers, copies, regions, fd broker) is ``kvsvc.server.data``;
-tiers below memory are ``kvsvc.server.tiers``. Never imports ``kvsvc.client``."""
+"""The cache server, a folder per role: ``rpc`` (the wrapper every call goes
+through, the servicer that builds the parts, the Session stream), ``handlers``
+(what each RPC does), ``security`` (tenants and credentials), ``ops`` (life,
+health, metrics, failpoints), ``config`` (every setting, declared once), ``data``
+(the store, the copy engine, regions, the fd broker), ``tiers`` (the tiers below
+memory behind one interface) and ``events`` (the WatchEvents stream). Never
+imports ``kvsvc.client``."""
