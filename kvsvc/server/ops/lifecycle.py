@@ -9,6 +9,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -36,6 +37,8 @@ STREAMS_END_S = 5.0
 TASKS_END_S = 2.0
 #: Bound on waiting for the reaper task at stop (it ends at its next wake-up).
 REAPER_STOP_S = 5.0
+#: Bound on waiting for the health listener's threads at stop.
+HEALTH_STOP_S = 5.0
 
 
 class Server:
@@ -71,12 +74,15 @@ class Server:
         health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
         self._add_service(pb.DESCRIPTOR.services_by_name["KVCacheService"], self.servicer)
         self._add_service(health_service, self.health.servicer)
-        # Probes that cannot present credentials: health only, plaintext, its own port.
-        self.health_grpc: grpc.aio.Server | None = None
+        # Probes that cannot present credentials: health only, plaintext, its own port,
+        # answered by threads (health.probe), so a hung event loop is told NOT_SERVING
+        # there by the watchdog thread, where the main port's Check times out.
+        self.health_grpc: grpc.Server | None = None
         self.health_address = ""
         if config.network.health_listen:
-            self.health_grpc = grpc.aio.server(options=server_options())
-            self._add_service(health_service, self.health.servicer, self.health_grpc)
+            workers = ThreadPoolExecutor(self.health.probe.WORKERS, "kvsvc-health")
+            self.health_grpc = grpc.server(workers, options=server_options())
+            self._add_service(health_service, self.health.probe, self.health_grpc)
         reflection.enable_server_reflection(
             (
                 pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name,
@@ -107,6 +113,8 @@ class Server:
                 self.servicer.fds.close()
             self.servicer.engine.shutdown()
             self.servicer.tiers.close(1.0)
+            if self.health_grpc is not None:
+                self.health_grpc.stop(None)
             health = config.network.health_listen
             raise ConfigError(
                 f"cannot listen on {config.network.listen}"
@@ -134,7 +142,10 @@ class Server:
         return ", ".join(parts)
 
     def _add_service(
-        self, service: ServiceDescriptor, servicer: object, server: grpc.aio.Server | None = None
+        self,
+        service: ServiceDescriptor,
+        servicer: object,
+        server: grpc.aio.Server | grpc.Server | None = None,
     ) -> None:
         """Register ``servicer``'s methods with requests parsed by
         :func:`request_parser`, so a message that does not parse gets a typed reply,
@@ -174,12 +185,13 @@ class Server:
         self._reaper = asyncio.ensure_future(self.servicer.reap())
         await self.grpc.start()
         if self.health_grpc is not None:
-            await self.health_grpc.start()
+            self.health_grpc.start()
         self.watchdog = Watchdog(
             asyncio.get_running_loop(),
             self.servicer.engine,
             self.config.limits.stall_timeout,
             self.servicer.fatal_threadsafe,
+            self.health,
         )
         self.watchdog.start()
         if self.config.observability.metrics_port:
@@ -200,7 +212,9 @@ class Server:
 
     def streams_open(self) -> int:
         """Session and health Watch streams still open."""
-        return self.servicer.sessions_open + self.health.servicer.watching
+        return (
+            self.servicer.sessions_open + self.health.servicer.watching + self.health.probe.watching
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first; refuse new transfers while in-flight copies finish (health
@@ -221,7 +235,8 @@ class Server:
             await asyncio.sleep(0.01)
         await self.grpc.stop(min(STOP_GRACE_S, max(0.0, deadline - time.monotonic())))
         if self.health_grpc is not None:
-            await self.health_grpc.stop(0)
+            stopped = self.health_grpc.stop(0)
+            await asyncio.get_running_loop().run_in_executor(None, stopped.wait, HEALTH_STOP_S)
         if engine.inflight:
             log.warning(
                 "shutdown: copies still running after the %.1f s grace period: %s",
