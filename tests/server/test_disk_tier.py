@@ -25,6 +25,7 @@ from support import NOT_SERVING, SERVING, ServerThread, health_status, wait_heal
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
+from kvsvc.server.ops.health import SERVICE_NAME
 from kvsvc.server.tiers.disk import tier as disk_tier
 from kvsvc.server.tiers.disk import writer as disk_writer
 from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, SUFFIX, TMP_DIR, file_name
@@ -190,9 +191,11 @@ def held_rebuild(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 def test_health_waits_for_the_index_unless_told_not_to(
     config, tmp_path: Path, held_rebuild: threading.Event, wait_index: bool
 ) -> None:
-    """With --disk-wait-index (the default) health is NOT_SERVING until the index is
-    rebuilt, then SERVING with the disk's chunks listed; with --no-disk-wait-index
-    it serves at once (disk hits appear as the index lands)."""
+    """With --disk-wait-index (the default) readiness (the service name) is
+    NOT_SERVING until the index is rebuilt, then SERVING with the disk's chunks
+    listed, while liveness ("", the startup probe) is SERVING all along, so a large
+    disk tier is never restarted for being slow; with --no-disk-wait-index it
+    serves at once (disk hits appear as the index lands)."""
     root = tmp_path / "disk"
     cfg = config.replace(store_bytes=8 * MiB, disk_dir=str(root), disk_wait_index=wait_index)
     chunks = make_chunks(2, b"h")
@@ -207,14 +210,18 @@ def test_health_waits_for_the_index_unless_told_not_to(
     st = ServerThread(cfg)
     try:
         if wait_index:
-            time.sleep(0.5)  # the rebuild is held: health must not turn SERVING meanwhile
-            assert health_status(st.address) == NOT_SERVING
+            time.sleep(0.5)  # the rebuild is held: readiness must not turn SERVING meanwhile
+            assert health_status(st.address, SERVICE_NAME) == NOT_SERVING
+            assert health_status(st.address) == SERVING  # alive: the probes leave it be
         else:
             wait_health(st.address, SERVING)
         with KVCacheClient(st.address) as c:
             assert c.lookup([k for k, _ in chunks], namespace=NS) == 0  # not listed yet
             held_rebuild.set()
-            wait_health(st.address, SERVING)
+            end = time.monotonic() + 30
+            while health_status(st.address, SERVICE_NAME) != SERVING:
+                assert time.monotonic() < end, "not ready 30 s after the index was released"
+                time.sleep(0.05)
             end = time.monotonic() + 10  # --no-disk-wait-index: listed once indexed
             while c.lookup([k for k, _ in chunks], namespace=NS) < 2:
                 assert time.monotonic() < end

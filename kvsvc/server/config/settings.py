@@ -209,7 +209,8 @@ class TierSettings:
     disk_wait_index: bool = setting(
         True,
         boolean,
-        "health stays NOT_SERVING until the index of `--disk-dir` is rebuilt at start; off: "
+        "readiness (health of `kvsvc.v1.KVCacheService`) stays NOT_SERVING until the index "
+        'of `--disk-dir` is rebuilt at start, liveness (`""`) is SERVING meanwhile; off: '
         "serve at once, disk hits growing as the index loads",
     )
     disk_queue_bytes: int = setting(
