@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kvsvc.errors import FINISHED, NOT_STARTED, UNKNOWN, FatalServerError, KVServiceError
 from kvsvc.server.data.ledger import Transfer, TransferLedger
@@ -85,6 +86,7 @@ class TransferEngine(TransferLedger):
         this thread runs the first task while the copy threads run the others, then
         waits a little for them (GIL released) rather than idle until a copy thread
         hands the end back through the loop. ``inline_max_bytes`` 0: neither.
+        Every copy not run here alone is a :class:`Copy`.
         """
         share = loop_safe and self.loop_copies()
         inline = share and nbytes <= self.inline_max_bytes
@@ -96,155 +98,16 @@ class TransferEngine(TransferLedger):
         if inline:
             return self._run_inline(transfer_id, nbytes, tasks, finalize)
         share = share and len(tasks) > 1 and nbytes <= LOOP_SHARE_MAX_BYTES * len(tasks)
-        loop = asyncio.get_running_loop()
-        transfer = Transfer(
-            transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
-        )
-        self.inflight[transfer_id] = transfer
-        lock = threading.Lock()
-        refused: list[KVServiceError] = []
-        pending = [len(tasks)]
-        #: the loop's thread waits for the last pieces itself (``ended`` wakes it: a
-        #: bare lock, held until then, costs less to make and to wake than an Event)
-        joining = [False]
-        ended = threading.Lock()
-        ended.acquire()
-
-        def wrap(index: int, task: Callable[[], T]) -> Callable[[], T]:
-            def work() -> T:
-                with lock:
-                    if refused:
-                        raise refused[0]
-                    if self.failed is not None:
-                        # Checked here, on the copy thread, before every piece: a
-                        # fatal failure decided a moment ago on another thread must
-                        # stop a copy queued behind it before it writes anything.
-                        raise self.refusal(FINISHED if transfer.started_at else NOT_STARTED)
-                    first = not transfer.started_at
-                    if first:
-                        try:
-                            self.check_deadline(deadline, nbytes)
-                        except KVServiceError as exc:
-                            refused.append(exc)
-                            raise
-                        transfer.started_at = time.monotonic()
-                        transfer.thread = threading.current_thread().name
-                try:
-                    if first:
-                        failpoints.hit("transfer.before_copy")
-                    result = task()
-                    if index == 0:
-                        failpoints.hit("transfer.after_copy")
-                    return result
-                except Exception as exc:
-                    error = self.copy_failed(exc, transfer_id)
-                    if error is exc:
-                        raise
-                    raise error from exc
-
-            return work
-
-        def finished() -> None:
-            self.retire(transfer_id)
-            results, error = self.collect(futures, transfer)
-            try:
-                finalize(results, error)
-            finally:
-                transfer.done.set_result(None)
-                if not transfer.reply.done():
-                    transfer.reply.set_result(None)
-
-        def tell_fatal(fut: concurrent.futures.Future[T]) -> None:
-            exc = None if fut.cancelled() else fut.exception()
-            if isinstance(exc, KVServiceError) and exc.fatal:
-                self.on_fatal(exc)
-
-        def piece_done(fut: concurrent.futures.Future[T]) -> None:
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-                waited = last and joining[0]
-            if waited:
-                ended.release()  # the loop's thread waits for this piece: it finishes
-            elif last:
-                loop.call_soon_threadsafe(finished)
-            # Told after `finished` is queued, so a copy whose last piece failed is
-            # answered with its own error, not as one that cannot be proven to end;
-            # told even if the call was abandoned, since nobody else would tell.
-            tell_fatal(fut)
-
-        own: concurrent.futures.Future[T] | None = None
-        if share:
-            own = concurrent.futures.Future()
-            own.set_running_or_notify_cancel()
-        futures = [own] if own is not None else []
-        sizes = even_shares(nbytes, len(tasks))
-        futures += [
-            self.workers.submit(wrap(i, t), transfer_id, sizes[i])
-            for i, t in enumerate(tasks)
-            if own is None or i > 0
-        ]
-        for f in futures[1:] if own is not None else futures:
-            f.add_done_callback(piece_done)
-        if own is not None:
-            if self._run_share(own, wrap(0, tasks[0]), futures[1:], lock, pending, joining, ended):
-                finished()
-            tell_fatal(own)
+        copy = Copy(self, transfer_id, mapping_id, nbytes, deadline, finalize)
+        copy.start(tasks, share=share)
         try:
             # Awaited directly (a shield costs two more loop turns per copy): only this
             # call waits on ``reply``, and a cancel of it is read as "answered".
-            await transfer.reply
+            await copy.transfer.reply
         except asyncio.CancelledError:
-            # Pieces that have not started never will; started ones run to their
-            # end, stay in `inflight` until then, and are finalized by `finished`.
-            queued = [f for f in futures if f is not own]
-            if not all([f.cancel() for f in queued]):  # a list: cancel every one
-                transfer.abandoned = True
-                log.warning("transfer %s outlived its call; tracked until it ends", transfer_id)
+            copy.abandon()
             raise
-        if transfer.failure is not None:
-            raise transfer.failure
-        results, error = self.collect(futures, transfer)
-        if error is not None:
-            raise error
-        self.rate.observe(nbytes, time.monotonic() - transfer.started_at)
-        assert results is not None
-        return results
-
-    @staticmethod
-    def _run_share(
-        own: concurrent.futures.Future[T],
-        work: Callable[[], T],
-        others: list[concurrent.futures.Future[T]],
-        lock: threading.Lock,
-        pending: list[int],
-        joining: list[bool],
-        ended: threading.Lock,
-    ) -> bool:
-        """The loop's thread runs its share of a copy (``work``), then, if it succeeded
-        and the copy threads' shares all run, waits for them (GIL released) about as
-        long as its own share took: theirs are as big and started a hand-off later
-        (one that is still queued may wait long: the loop does not). True: every
-        piece has ended and the caller finishes the copy here, with no trip
-        through ``call_soon_threadsafe``; False: the last copy thread hands the
-        end back through the loop, as for any copy."""
-        t0 = time.monotonic()
-        try:
-            own.set_result(work())
-        except BaseException as exc:  # noqa: BLE001 - read by collect, raised by run
-            own.set_exception(exc)
-        took = time.monotonic() - t0
-        with lock:
-            pending[0] -= 1
-            if pending[0] == 0:
-                return True
-            # A failed share is told at once (the loop answers it), as on a copy thread.
-            joining[0] = own.exception() is None and all(f.running() or f.done() for f in others)
-        if joining[0]:
-            ended.acquire(timeout=took)
-        with lock:
-            joining[0] = False
-            return pending[0] == 0
+        return copy.outcome()
 
     def _run_inline(
         self,
@@ -336,3 +199,220 @@ class TransferEngine(TransferLedger):
         its first part, which is admitted as ``run`` admits a copy (refused:
         raised NOT_STARTED, ``finalize(None, error)`` called)."""
         return Stream.open(self, transfer_id, mapping_id, deadline, nbytes, tasks, finalize)
+
+
+class Copy(Generic[T]):
+    """One copy ``TransferEngine.run`` hands to the copy threads, from its start to
+    its end: a ``Transfer`` in flight (what Fence waits for) and the state its
+    pieces share across threads, kept under ``_lock``.
+
+    The steps, in order: ``start`` queues the pieces (with a loop-shared copy, the
+    loop's thread runs the first one itself, ``run_share``); each piece, ``piece``,
+    runs on a copy thread, and the first one to start checks the deadline again;
+    each piece's end, ``piece_done``, counts it down and hands the last one's end to
+    the loop; ``finish``, on the loop, retires and finalizes the copy and lets the
+    caller answer; ``outcome`` is that answer. ``abandon``: the call went away first.
+    A fatal error of a piece is told (``tell_fatal``) whether or not anyone waits.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_ended",
+        "_engine",
+        "_finalize",
+        "_futures",
+        "_joining",
+        "_lock",
+        "_loop",
+        "_nbytes",
+        "_own",
+        "_pending",
+        "_refused",
+        "transfer",
+    )
+
+    def __init__(
+        self,
+        engine: TransferLedger,
+        transfer_id: str,
+        mapping_id: str,
+        nbytes: int,
+        deadline: float | None,
+        finalize: Callable[[list[T] | None, BaseException | None], None],
+    ) -> None:
+        """The copy, in flight from now (admitted already)."""
+        loop = asyncio.get_running_loop()
+        self._engine = engine
+        self._loop = loop
+        self._nbytes = nbytes
+        self._deadline = deadline
+        self._finalize = finalize
+        self.transfer = Transfer(
+            transfer_id, mapping_id, nbytes, loop.create_future(), loop.create_future()
+        )
+        engine.inflight[transfer_id] = self.transfer
+        self._lock = threading.Lock()
+        #: why the copy did not start, once its first piece found the deadline too close
+        self._refused: KVServiceError | None = None
+        self._pending = 0  # pieces that have not ended
+        #: the loop's thread waits for the last pieces itself (``_ended`` wakes it: a
+        #: bare lock, held until then, costs less to make and to wake than an Event)
+        self._joining = False
+        self._ended = threading.Lock()
+        self._ended.acquire()
+        #: the loop's thread's own piece (a shared copy's first), run outside the queue
+        self._own: concurrent.futures.Future[T] | None = None
+        self._futures: list[concurrent.futures.Future[T]] = []  # every piece, in order
+
+    def start(self, tasks: Sequence[Callable[[], T]], *, share: bool) -> None:
+        """Queue the pieces on the copy threads; ``share``: the loop's thread runs the
+        first itself, and finishes the copy here if every piece has ended by then."""
+        self._pending = len(tasks)
+        own: concurrent.futures.Future[T] | None = None
+        if share:
+            own = concurrent.futures.Future()
+            own.set_running_or_notify_cancel()
+        self._own = own
+        piece, submit = self.piece, self._engine.workers.submit
+        transfer_id = self.transfer.transfer_id
+        sizes = even_shares(self._nbytes, len(tasks))
+        queued = [
+            submit(functools.partial(piece, i, t), transfer_id, sizes[i])
+            for i, t in enumerate(tasks)
+            if own is None or i > 0
+        ]
+        self._futures = queued if own is None else [own, *queued]
+        piece_done = self.piece_done
+        for f in queued:
+            f.add_done_callback(piece_done)
+        if own is not None:
+            if self.run_share(own, tasks[0], queued):
+                self.finish()
+            self.tell_fatal(own)
+
+    def piece(self, index: int, task: Callable[[], T]) -> T:
+        """(Copy thread, or the loop's for its share) Run piece ``index``: refused if
+        the copy was, or after a fatal failure; the first to start checks the
+        deadline again (queue time counts) and marks the copy started."""
+        engine, transfer = self._engine, self.transfer
+        with self._lock:
+            if self._refused is not None:
+                raise self._refused
+            if engine.failed is not None:
+                # Checked here, on the copy thread, before every piece: a fatal failure
+                # decided a moment ago on another thread must stop a copy queued
+                # behind it before it writes anything.
+                raise engine.refusal(FINISHED if transfer.started_at else NOT_STARTED)
+            first = not transfer.started_at
+            if first:
+                try:
+                    engine.check_deadline(self._deadline, self._nbytes)
+                except KVServiceError as exc:
+                    self._refused = exc
+                    raise
+                transfer.started_at = time.monotonic()
+                transfer.thread = threading.current_thread().name
+        try:
+            if first:
+                failpoints.hit("transfer.before_copy")
+            result = task()
+            if index == 0:
+                failpoints.hit("transfer.after_copy")
+            return result
+        except Exception as exc:
+            error = engine.copy_failed(exc, transfer.transfer_id)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def run_share(
+        self,
+        own: concurrent.futures.Future[T],
+        task: Callable[[], T],
+        others: list[concurrent.futures.Future[T]],
+    ) -> bool:
+        """The loop's thread runs its share of the copy (piece 0, ``task``), then, if it
+        succeeded and the copy threads' shares all run, waits for them (GIL
+        released) about as long as its own share took: theirs are as big and
+        started a hand-off later (one that is still queued may wait long: the loop
+        does not). True: every piece has ended and the caller finishes the copy
+        here, with no trip through ``call_soon_threadsafe``; False: the last copy
+        thread hands the end back through the loop, as for any copy."""
+        t0 = time.monotonic()
+        try:
+            own.set_result(self.piece(0, task))
+        except BaseException as exc:  # noqa: BLE001 - read by collect, raised by run
+            own.set_exception(exc)
+        took = time.monotonic() - t0
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                return True
+            # A failed share is told at once (the loop answers it), as on a copy thread.
+            self._joining = own.exception() is None and all(f.running() or f.done() for f in others)
+        if self._joining:
+            self._ended.acquire(timeout=took)
+        with self._lock:
+            self._joining = False
+            return self._pending == 0
+
+    def piece_done(self, fut: concurrent.futures.Future[T]) -> None:
+        """(Any thread) A queued piece has ended (or was cancelled): the last one wakes
+        the loop's thread if it waits for it (``run_share``), else hands the end to
+        the loop (``finish``)."""
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+            waited = last and self._joining
+        if waited:
+            self._ended.release()  # the loop's thread waits for this piece: it finishes
+        elif last:
+            self._loop.call_soon_threadsafe(self.finish)
+        # Told after `finish` is queued, so a copy whose last piece failed is answered
+        # with its own error, not as one that cannot be proven to end; told even if
+        # the call was abandoned, since nobody else would tell.
+        self.tell_fatal(fut)
+
+    def tell_fatal(self, fut: concurrent.futures.Future[T]) -> None:
+        """A piece that ended with a fatal error stops the server (``on_fatal``)."""
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, KVServiceError) and exc.fatal:
+            self._engine.on_fatal(exc)
+
+    def finish(self) -> None:
+        """(Loop) Every piece has ended: the copy is no longer in flight, is finalized
+        with its results or error, and Fence and the caller are let go."""
+        engine, transfer = self._engine, self.transfer
+        engine.retire(transfer.transfer_id)
+        results, error = engine.collect(self._futures, transfer)
+        try:
+            self._finalize(results, error)
+        finally:
+            transfer.done.set_result(None)
+            if not transfer.reply.done():
+                transfer.reply.set_result(None)
+
+    def abandon(self) -> None:
+        """(Loop) The call was cancelled: pieces that have not started never will;
+        started ones run to their end, stay in flight until then, and are finalized
+        by ``finish``."""
+        queued = [f for f in self._futures if f is not self._own]
+        if not all([f.cancel() for f in queued]):  # a list: cancel every one
+            self.transfer.abandoned = True
+            log.warning(
+                "transfer %s outlived its call; tracked until it ends", self.transfer.transfer_id
+            )
+
+    def outcome(self) -> list[T]:
+        """(Loop, once ``reply`` is set) The results of every piece, or the error the
+        caller answers with: the fatal failure it was given up on for, or the
+        copy's own."""
+        transfer = self.transfer
+        if transfer.failure is not None:
+            raise transfer.failure
+        results, error = self._engine.collect(self._futures, transfer)
+        if error is not None:
+            raise error
+        self._engine.rate.observe(self._nbytes, time.monotonic() - transfer.started_at)
+        assert results is not None
+        return results
