@@ -128,11 +128,25 @@ class DiskCounters(Protocol):
     def refused(self) -> Mapping[str, int]: ...
 
 
+class DiskHealth(Protocol):
+    """Whether the disk takes writes (kvsvc.server.tiers.disk.heal.WriteHealth)."""
+
+    @property
+    def skipped(self) -> Mapping[str, int]: ...
+    @property
+    def owed(self) -> Collection[str]: ...
+
+
 class DiskView(Protocol):
     """What the disk-tier metrics read (kvsvc.server.tiers.disk.DiskTier has these)."""
 
     capacity: int
     ready: bool
+
+    @property
+    def health(self) -> DiskHealth: ...
+    @property
+    def writing(self) -> bool: ...
 
     @property
     def stats(self) -> DiskCounters: ...
@@ -159,6 +173,13 @@ class DiskCollector:
             ("kvsvc_disk_queue_bytes", "chunk bytes waiting to be written", d.queued_bytes),
             ("kvsvc_disk_index_ready", "1 once the index of --disk-dir is rebuilt", d.ready),
             ("kvsvc_disk_index_seconds", "time the index rebuild took at start", s.index_seconds),
+            ("kvsvc_disk_writing", "1 while writes land, 0 while the disk refuses them", d.writing),
+            (
+                "kvsvc_disk_owed_files",
+                "files a Store replaced that the disk refused to remove (out of the index; "
+                "removed once it takes writes)",
+                len(d.health.owed),
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=float(gauge))
         for name, doc, value in (
@@ -178,15 +199,16 @@ class DiskCollector:
         skipped = CounterMetricFamily(
             "kvsvc_disk_skipped_writes",
             "chunks not written to disk, by why: full (ENOSPC/EDQUOT), queue (write-behind "
-            "full), capacity (larger than --disk-capacity), error (I/O), replaced (a later "
-            "Store of the key brought other bytes)",
+            "full), capacity (larger than --disk-capacity), read_only (EROFS), permission "
+            "(EACCES/EPERM), io (any other I/O error; the last three until the disk heals), "
+            "replaced (a later Store of the key brought other bytes)",
             labels=["reason"],
         )
         for reason, n in (
             ("full", s.skipped_full),
             ("queue", s.skipped_queue),
             ("capacity", s.skipped_capacity),
-            ("error", s.write_errors),
+            *sorted(dict(d.health.skipped).items()),
             ("replaced", s.replaced),
         ):
             skipped.add_metric([reason], n)

@@ -26,9 +26,10 @@ from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
 from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
+from kvsvc.server.tiers.disk.heal import DOWN_REASONS, WriteHealth
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
 from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
-from kvsvc.server.tiers.disk.writer import Write, Writer
+from kvsvc.server.tiers.disk.writer import Write, Writer, failure
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.server.tiers.disk")
@@ -117,7 +118,10 @@ class DiskTier(Tier):
             min(t.disk_queue_bytes, store.capacity // 4),
             self._written,
             self._unlinked,
+            self._probed,
         )
+        #: whether writes land; the probes and removals owed while they do not
+        self.health = WriteHealth(self.root, loop, self.writer.probe, self._unlink_owed)
         self.reader = Reader(self.root, store, loop)
 
     # --- life ---
@@ -201,7 +205,13 @@ class DiskTier(Tier):
         self.reader.close()
 
     async def aclose(self, timeout: float) -> None:
+        self.health.retry_owed()  # the disk may take them now: queued before the stop
+        self.health.close()
         await self.loop.run_in_executor(None, self.close, timeout)
+
+    @property
+    def writing(self) -> bool:
+        return self.health.writing
 
     def collector(self) -> Any:
         from kvsvc.server.ops.metrics import DiskCollector
@@ -235,19 +245,39 @@ class DiskTier(Tier):
         if w is not None and w.version != version:
             del self._writing[key]
             self.stats.replaced += 1
-            self.writer.supersede(w)
+            self._supersede(w)
+
+    def _supersede(self, w: Write) -> None:
+        reason = self.writer.supersede(w)
+        if reason is not None:
+            self._owe(w.name, reason)
 
     def _unlink_now(self, name: str) -> None:
         try:
             os.unlink(os.path.join(self.root, name))
         except FileNotFoundError:
             return
-        except OSError as exc:  # the next write of the key replaces it (rename)
-            self.stats.write_errors += 1
-            log.warning("disk tier: removing the replaced %s failed: %s", name, exc)
+        except OSError as exc:
+            self._owe(name, failure(exc))
+
+    def _owe(self, name: str, reason: str) -> None:
+        """``name`` holds a version that must not come back and could not be removed:
+        out of the index already, its removal is retried once the disk takes writes
+        (kvsvc.server.tiers.disk.heal)."""
+        self.stats.write_errors += 1
+        self.health.owe([name])
+        self.health.failed(reason if reason in DOWN_REASONS else "io", "removal")
+
+    def _unlink_owed(self, names: list[str]) -> None:
+        for name in names:
+            self._unlinking[name] = self._unlinking.get(name, 0) + 1
+        self.writer.unlink(names)
+
+    def _probed(self, outcome: str | None) -> None:
+        self.health.probed(outcome if outcome in DOWN_REASONS or outcome is None else "io")
 
     def evicted(self, chunk: Chunk) -> None:
-        if self.mode != "evict" or self._known(chunk.key):
+        if self.mode != "evict" or self._known(chunk.key) or self.health.skip():
             return
         if not self.writer.has_room(chunk.size):
             self.stats.skipped_queue += 1
@@ -278,6 +308,8 @@ class DiskTier(Tier):
         )
         if w.file_bytes > self.capacity:
             self.stats.skipped_capacity += 1
+            return
+        if self.health.skip():  # the disk refuses writes: skipped (counted) until it heals
             return
         if bounded and not self.writer.has_room(w.size):
             self.stats.skipped_queue += 1
@@ -315,7 +347,7 @@ class DiskTier(Tier):
         if not self.ready:
             self._dropped_early.add(namespace)
         for key in [k for k in self._writing if k[0] == namespace]:
-            self.writer.supersede(self._writing.pop(key))
+            self._supersede(self._writing.pop(key))
         keys = [k for k in self.index.entries if k[0] == namespace]
         names: list[str] = []
         nbytes = 0
@@ -330,11 +362,15 @@ class DiskTier(Tier):
         self.writer.unlink(names)
         return len(names), nbytes
 
-    def _unlinked(self, names: list[str]) -> None:
+    def _unlinked(self, names: list[str], failed: list[tuple[str, str]]) -> None:
         for name in names:
             left = self._unlinking.pop(name) - 1
             if left:
                 self._unlinking[name] = left
+        kept = {name for name, _ in failed}
+        self.health.settle(n for n in names if n not in kept)
+        for name, reason in failed:
+            self._owe(name, reason)
 
     def _victim(self, owner: str, need: int) -> ChunkKey:
         """The least recently used file, preferring owners over their disk share: the
@@ -374,8 +410,8 @@ class DiskTier(Tier):
                     self.root,
                     self.stats.skipped_full,
                 )
-        elif outcome == "error":
-            self.stats.write_errors += 1
+        elif outcome in DOWN_REASONS:  # the disk refuses writes: skipped until it heals
+            self.health.failed(outcome, "write")
         if w.waiter is not None and not w.waiter.done():
             w.waiter.set_result(outcome == "written")
 

@@ -27,6 +27,23 @@ log = logging.getLogger("kvsvc.server.tiers.disk")
 
 #: errors that mean "the disk is full", not "the disk is broken"
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: errors that mean "the filesystem takes no writes now" (it may again: a remount)
+READ_ONLY_ERRNOS = frozenset({errno.EROFS})
+PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+
+
+def failure(exc: OSError) -> str:
+    """Why a write or a removal failed, as counted: "full", "read_only",
+    "permission" or "io" (any other error of the device or filesystem)."""
+    if exc.errno in FULL_ERRNOS:
+        return "full"
+    if exc.errno in READ_ONLY_ERRNOS:
+        return "read_only"
+    if exc.errno in PERMISSION_ERRNOS:
+        return "permission"
+    return "io"
+
+
 #: written in pieces of at most this many bytes (a partial write continues)
 WRITE_PIECE = 8 << 20
 #: chunks of at least this many bytes are written with O_DIRECT where the filesystem
@@ -64,8 +81,19 @@ class Unlink:
     names: list[str]
 
 
-#: outcome of a write: "written", "full" (skipped: no space), "superseded" or "error"
+@dataclass
+class Probe:
+    """Whether the filesystem takes writes again: a temporary file made, written,
+    removed (the tier's heal schedule queues one)."""
+
+
+#: outcome of a write: "written", "superseded", or why it was skipped (``failure``)
 Done = Callable[[Write, str], None]
+#: after a batch of removals: the names removed, and (name, failure) of those that
+#: could not be (still on disk: the tier owes their removal)
+Unlinked = Callable[[list[str], list[tuple[str, str]]], None]
+#: after a probe: None (writes land again) or its failure
+Probed = Callable[[str | None], None]
 
 
 class Writer:
@@ -80,13 +108,14 @@ class Writer:
         sync: bool,
         limit: int,
         done: Done,
-        unlinked: Callable[[list[str]], None],
+        unlinked: Unlinked,
+        probed: Probed,
     ) -> None:
         self.root, self.store, self.loop, self.sync = root, store, loop, sync
         self.limit = limit
         self.queued_bytes = 0  # on the loop
-        self._done, self._unlinked = done, unlinked
-        self._queue: queue.Queue[Write | Unlink | None] = queue.Queue()
+        self._done, self._unlinked, self._probed = done, unlinked, probed
+        self._queue: queue.Queue[Write | Unlink | Probe | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvsvc-disk-write", daemon=True)
         self._closed = False
         self.idle = threading.Event()
@@ -114,21 +143,33 @@ class Writer:
         self._queue.put(write)
         return True
 
-    def supersede(self, write: Write) -> None:
+    def supersede(self, write: Write) -> str | None:
         """On the loop: ``write``'s bytes were replaced by a later Store. Not yet
         renamed: it never will be. Renamed: its file is removed now, before the
-        reply, so no crash brings back a version a later Store replaced."""
+        reply, so no crash brings back a version a later Store replaced. Returns
+        why that removal failed (the file is still there), else None."""
         with self.lock:
             write.superseded = True
             landed = write.renamed
         if landed:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(os.path.join(self.root, write.name))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                return failure(exc)
+        return None
 
     def unlink(self, names: list[str]) -> None:
         if names:
             self.idle.clear()
             self._queue.put(Unlink(names))
+
+    def probe(self) -> None:
+        """Queue a probe (behind what is queued); ``probed`` tells its outcome."""
+        if not self._closed:
+            self.idle.clear()
+            self._queue.put(Probe())
 
     @property
     def depth(self) -> int:
@@ -142,25 +183,60 @@ class Writer:
 
     # --- the writer thread ---
     def _run(self) -> None:
+        """Every item ends in a callback to the loop, whatever it raised: one item's
+        failure never ends the thread (a dead writer would skip every later write)."""
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            if isinstance(item, Unlink):
-                for name in item.names:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(self.root, name))
-                with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
-                    self.loop.call_soon_threadsafe(self._unlinked, item.names)
-            else:
-                outcome = self._write(item)
-                self._back(item, outcome)
+            try:
+                self._handle(item)
+            except Exception:
+                log.exception("disk tier: the writer failed on %r; it goes on", type(item).__name__)
+                if isinstance(item, Write):
+                    self._back(item, "io")
+                elif isinstance(item, Probe):
+                    self._tell(self._probed, "io")
             if self._queue.empty():
                 self.idle.set()
 
-    def _back(self, write: Write, outcome: str) -> None:
+    def _handle(self, item: Write | Unlink | Probe) -> None:
+        if isinstance(item, Unlink):
+            failed: list[tuple[str, str]] = []
+            for name in item.names:
+                try:
+                    os.unlink(os.path.join(self.root, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    failed.append((name, failure(exc)))
+            self._tell(self._unlinked, item.names, failed)
+        elif isinstance(item, Probe):
+            self._tell(self._probed, self._probe())
+        else:
+            self._back(item, self._write(item))
+
+    def _tell(self, fn: Callable[..., None], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
-            self.loop.call_soon_threadsafe(self._finish, write, outcome)
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def _probe(self) -> str | None:
+        tmp = os.path.join(self.root, TMP_DIR, "probe-" + uuid.uuid4().hex)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"kvsvc")
+            finally:
+                os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return failure(exc)
+        return None
+
+    def _back(self, write: Write, outcome: str) -> None:
+        self._tell(self._finish, write, outcome)
 
     def _finish(self, write: Write, outcome: str) -> None:
         self.queued_bytes -= write.size
@@ -195,7 +271,8 @@ class Writer:
                 os.close(fd)
             with self.lock:
                 if w.superseded:
-                    os.unlink(tmp)
+                    with contextlib.suppress(OSError):  # a leftover temporary: removed at start
+                        os.unlink(tmp)
                     return "superseded"
                 try:
                     os.rename(tmp, final)
@@ -209,12 +286,12 @@ class Writer:
                 _sync_dir(os.path.dirname(final))
             return "written"
         except OSError as exc:
-            with contextlib.suppress(FileNotFoundError):
+            # A read-only filesystem refuses this removal too: the temporary is then
+            # left for the next start, which removes interrupted writes.
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            if exc.errno in FULL_ERRNOS:
-                return "full"
-            log.warning("disk tier: writing %s failed: %s", w.name, exc)
-            return "error"
+            log.debug("disk tier: writing %s failed: %s", w.name, exc)
+            return failure(exc)
 
     def _open(self, tmp: str, direct: bool) -> tuple[int, bool]:
         """A new temporary file, with O_DIRECT if asked and the filesystem takes it."""
