@@ -222,10 +222,16 @@ def presence_visibility(size: str = "quick") -> dict[str, Any]:
            "max_ms": max(delays, default=float("nan")), "load": _uptime()}  # fmt: skip
     print(f"Store ack -> visible in another process's index at {rate:.0f} Stores/s "
           f"({len(acked)} Stores, {out['load']}): p50 {out['p50_ms']:.2f} ms, p99 "
-          f"{out['p99_ms']:.2f} ms, max {out['max_ms']:.2f} ms, never seen {missing}")  # fmt: skip
+          f"{out['p99_ms']:.2f} ms, max {out['max_ms']:.2f} ms, never seen {missing}; "
+          f"--events-linger-ms {_linger_ms()}")  # fmt: skip
     if missing:
         raise RuntimeError(f"{missing} stored keys never reached the watcher's index")
     return out
+
+
+def _linger_ms() -> str:
+    """The server's --events-linger-ms, as this run sets it (KVSVC_EVENTS_LINGER_MS)."""
+    return os.environ.get("KVSVC_EVENTS_LINGER_MS", "0")
 
 
 def presence_watchers(size: str = "quick") -> dict[str, Any]:
@@ -271,7 +277,7 @@ def presence_watchers(size: str = "quick") -> dict[str, Any]:
           f"{out['ratio']:.2f} of none; server CPU a Store {cpu4:.0f} vs {cpu0:.0f} us, "
           f"the 4 watcher processes' {out['watchers_cpu_us_per_store']:.0f} us "
           f"({rounds} round(s) of {seconds} s each, {os.cpu_count()} cores, "
-          f"{out['load']})")  # fmt: skip
+          f"{out['load']}; --events-linger-ms {_linger_ms()})")  # fmt: skip
     return out
 
 

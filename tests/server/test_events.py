@@ -515,3 +515,35 @@ def test_a_restarted_redis_withdraws_what_was_announced_in_it(make_server, watch
             _removed_from_redis(w, last, {("ns", b"k3")})
     finally:
         redis.kill()
+
+
+def test_a_linger_coalesces_a_burst_into_few_writes(config, watch) -> None:
+    """--events-linger-ms: batches of one stream are at least the linger apart, so a
+    burst of Stores reaches the watcher in few writes, every key in order. The bound
+    counts from the burst's own measured length, never from a guess at timing."""
+    linger = 0.3
+    st = ServerThread(config.replace(events_linger_ms=int(linger * 1000)))
+    try:
+        w = watch(st.address)
+        point, _ = w.resync()
+        n = 40
+        with KVCacheClient(st.address) as c:
+            t0 = time.monotonic()
+            for i in range(n):
+                c.put("ns", [(b"burst-%03d" % i, b"v")])
+            burst = time.monotonic() - t0
+        keys: list[bytes] = []
+        writes = 0
+        while len(keys) < n:
+            b = w.batch()
+            if not b.events:
+                continue  # progress: no key
+            writes += 1
+            assert b.sequence > point
+            point = b.sequence
+            keys += [k for e in b.events for k in e.stored.keys]
+        assert keys == [b"burst-%03d" % i for i in range(n)]
+        # one write may go out at once, then one per linger while the burst lasts
+        assert writes <= 2 + int(burst / linger), (writes, burst)
+    finally:
+        st.stop()

@@ -304,6 +304,14 @@ class LimitSettings:
         "most bytes of server memory the WatchEvents ring holds (keys included)",
         shows=format_size,
     )
+    events_linger_ms: int = setting(
+        0,
+        non_negative_int,
+        "milliseconds a WatchEvents stream waits after a batch before it sends the next, "
+        "so one write carries what was published meanwhile: each watcher costs the server "
+        "at most one write per linger, at the cost of that much visibility delay; 0 sends "
+        "every turn of the loop",
+    )
     events_snapshot_page: int = setting(
         4096,
         int_up_to(65536),

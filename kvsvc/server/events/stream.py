@@ -46,9 +46,12 @@ SHARED_BATCHES = 64
 class Watchers:
     """Every WatchEvents stream of one server, fed by ``events``."""
 
-    def __init__(self, events: EventLog, page_keys: int) -> None:
+    def __init__(self, events: EventLog, page_keys: int, linger_s: float = 0.0) -> None:
         self.events = events
         self.page_keys = page_keys
+        #: --events-linger-ms: a stream's writes are at least this far apart, unless a
+        #: page is full (one write then carries what was published meanwhile)
+        self.linger_s = linger_s
         self._streams: set[asyncio.Task[object]] = set()
         events.on_end.append(self._ended)
         #: live batches already serialized, by (from, to, view, page): watchers with the
@@ -143,11 +146,21 @@ class Watchers:
                     {changed}, timeout=PROGRESS_S if told < position else IDLE_WAKE_S
                 )
                 continue
+            wait = self._lingering(told_at, len(batch), page)
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
             out = self._live(position, batch, view, shape)
             position = batch[-1].seq if out is None else out[0]
             if out is not None:
                 await self._write_raw(context, out[1])
                 told, told_at = position, monotonic()
+
+    def _lingering(self, told_at: float, events: int, page: int) -> float:
+        """Seconds this stream waits before writing ``events`` (its linger)."""
+        if not self.linger_s or events >= page:
+            return 0.0
+        return told_at + self.linger_s - monotonic()
 
     def _live(
         self,

@@ -71,7 +71,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             remote_keys=config.limits.events_remote_keys,
         )
         self.store.listeners.append(StoreEvents(self.events))
-        self.watchers = Watchers(self.events, config.limits.events_snapshot_page)
+        self.watchers = Watchers(
+            self.events,
+            config.limits.events_snapshot_page,
+            config.limits.events_linger_ms / 1000,
+        )
         #: the tiers below memory, in order (disk, Redis); each checks its settings now
         self.tiers = chain.build(config, self.store, self.loop, self.events)
         self.tiers.start(hold=health.hold, release=health.release)
