@@ -39,12 +39,12 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 from kvsvc.errors import BoundedLog, PermissionDenied
-from kvsvc.server.security.credentials import GRANT, Credentials, OpenStreams
+from kvsvc.server.security.credentials import GRANT, Credentials, OpenStreams, Sends
 
 log = logging.getLogger("kvsvc.server.security.auth")
 
@@ -417,7 +417,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.stream_stream
 
         async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            await self._hold(context, False, lambda: inner(requests, context))
+            await self._hold(context, False, lambda ctx: inner(requests, ctx))
 
         return handler._replace(stream_stream=behavior)  # type: ignore[attr-defined,no-any-return]
 
@@ -428,7 +428,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_stream
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await self._hold(context, True, lambda: _written(inner(request, context), context))
+            await self._hold(context, True, lambda ctx: _written(inner(request, ctx), ctx))
 
         return handler._replace(unary_stream=behavior)  # type: ignore[attr-defined,no-any-return]
 
@@ -436,30 +436,38 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self,
         context: grpc.aio.ServicerContext,
         watch: bool,
-        run: Callable[[], Awaitable[None]],
+        run: Callable[[grpc.aio.ServicerContext], Awaitable[None]],
     ) -> None:
         """Authenticate a stream, run it as its tenant, and end it with its grant:
         revoked, the stream stops reading (a Session answers the requests it is
         running, for up to REVOKE_DRAIN_S) and ends UNAUTHENTICATED. A Session with
         a request still running after that ends UNAVAILABLE instead, so the client
-        reports that request's outcome as unknown, never as "nothing ran"."""
+        reports that request's outcome as unknown, never as "nothing ran". The end
+        goes out after the sends gRPC has in flight (:class:`Sends`)."""
         auth = self.auth
         creds = auth.credentials(context.invocation_metadata(), _cert_names(context))
-        tenant, why, expires = auth.resolve(creds)
-        if tenant is None:
+        # Registered as it reads the tables: a reload on any thread re-checks it.
+        grant, why = auth.streams.open(creds, watch=watch)
+        if grant is None:
             auth.refuse(why, context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-        assert tenant is not None  # abort raised
-        grant = auth.streams.open(creds, tenant, expires, watch=watch)
+        assert grant is not None  # abort raised
         # Not reset: the stream's task ends with it, and the tasks it makes (the
         # Session's reader and requests) copy this context when they are made.
-        TENANT.set(tenant)
+        TENANT.set(grant.tenant)
         GRANT.set(grant)
-        task = asyncio.get_running_loop().create_task(_awaited(run))
+        sends = Sends(context)
+        if watch:  # a watch's view goes with its grant: not one batch more
+            grant.stops.append(sends.close)
+        handed = cast(grpc.aio.ServicerContext, sends)
+        task = asyncio.get_running_loop().create_task(_awaited(lambda: run(handed)))
         try:
             await asyncio.wait((task, grant.ended), return_when=asyncio.FIRST_COMPLETED)
             if not task.done():  # revoked: its stops ran; a Session answers what runs
                 await asyncio.wait((task,), timeout=0 if watch else REVOKE_DRAIN_S)
+            if not task.done():  # cancelled below: its sends in flight complete first
+                sends.close()
+                await sends.settled()
         finally:
             auth.streams.close(grant)
             if not task.done():

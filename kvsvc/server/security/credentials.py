@@ -10,16 +10,23 @@ stream). A grant that no longer resolves to its tenant is revoked: its stream
 stops taking requests and ends with UNAUTHENTICATED (kvsvc.server.security.auth's
 interceptor does the ending; kvsvc.server.rpc.session checks the grant per request,
 so no request is served in the moment between expiry and the timer).
+
+A reload may run on any thread while a stream opens on the loop, so a stream is
+registered before the tables it is judged against are read, and judged again if
+a reload landed meanwhile (:meth:`OpenStreams.open`): whichever comes first, no
+stream keeps grants a reload took away. Its end goes out after the sends gRPC has
+in flight (:class:`Sends`): a status beside them is refused, and never sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -106,6 +113,9 @@ class OpenStreams(Generic[Tenant]):
     def __init__(self, resolve: Callable[[Credentials], tuple[Tenant | None, str, float]]) -> None:
         #: (tenant or None, why refused, expiry as unix time) for a call's credentials
         self.resolve = resolve
+        #: moved by every :meth:`recheck` (a reload), before it looks for open grants
+        self.generation = 0
+        self._generations = itertools.count(1)  # next() is atomic: reloads on threads
         self._grants: set[Grant[Tenant]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -114,17 +124,32 @@ class OpenStreams(Generic[Tenant]):
     def __len__(self) -> int:
         return len(self._grants)
 
-    def open(
-        self, credentials: Credentials, tenant: Tenant, expires: float, *, watch: bool
-    ) -> Grant[Tenant]:
-        """Register a stream that just authenticated (on the event loop)."""
+    def open(self, credentials: Credentials, *, watch: bool) -> tuple[Grant[Tenant] | None, str]:
+        """Authenticate a stream and register its grant (on the event loop): (grant,
+        '') or (None, why refused). A reload (:meth:`recheck`, on any thread) swaps
+        the tables, moves :attr:`generation`, then re-checks the grants it finds. The
+        grant is registered, then the generation read again: a reload that moved it
+        since the tables were read makes this read them again; one that had not yet
+        moved it will find the grant. No order of the two leaves a stream under a
+        tenant file no longer in force."""
         loop = asyncio.get_running_loop()
-        self._loop = loop
+        self._loop = loop  # before the tables are read: a reload that finds no loop came first
+        seen = self.generation
+        tenant, why, expires = self.resolve(credentials)
+        if tenant is None:
+            return None, why
         grant = Grant(credentials, tenant, expires, watch, loop.create_future())
         self._grants.add(grant)
+        while self.generation != seen:  # a reload landed since the read: read again
+            seen = self.generation
+            tenant, why, expires = self.resolve(credentials)
+            if tenant is None:
+                self.close(grant)
+                return None, why
+            grant.tenant, grant.expires = tenant, expires  # its view is not fixed yet
         if expires < self._armed_at:
             self._arm()
-        return grant
+        return grant, ""
 
     def close(self, grant: Grant[Tenant]) -> None:
         self._grants.discard(grant)
@@ -133,8 +158,11 @@ class OpenStreams(Generic[Tenant]):
             self._timer, self._armed_at = None, math.inf
 
     def recheck(self) -> None:
-        """The tables changed (on any thread): every open grant is resolved again on
-        the loop; a token gone, expired or now naming another tenant is revoked."""
+        """The tables changed (on any thread, after they were swapped): every open
+        grant is resolved again on the loop; a token gone, expired or now naming
+        another tenant is revoked. A stream registering meanwhile sees the new
+        generation and judges itself (:meth:`open`)."""
+        self.generation = next(self._generations)
         loop = self._loop
         if loop is None or not self._grants:
             return
@@ -186,3 +214,52 @@ class OpenStreams(Generic[Tenant]):
             if not grant.revoked and grant.expires <= now:
                 grant.revoke(grpc.StatusCode.UNAUTHENTICATED, "expired")
         self._arm()
+
+
+class Sends:
+    """A long-lived stream's context as its handler sees it, with the sends gRPC has
+    in flight counted. A stream's first send also carries the initial metadata,
+    which grpc.aio marks sent only once that send returns to its writer: a handler
+    cancelled in it never marks them, and the abort that ends the stream sends them
+    again, which the core refuses (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS). grpc.aio
+    then counts the status as sent and sends none: the call stays open and its
+    client waits for good (issue 40). So the interceptor cancels a stream's handler
+    only after :meth:`close` (no send starts after it) and :meth:`settled` (every
+    send in flight returned: gRPC completes one once its transport took it, and
+    fails it when the client goes)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._sending = 0
+        self._closed = False
+        self._idle: asyncio.Future[None] | None = None
+
+    def __getattr__(self, name: str) -> Any:  # the rest is the context's own
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        await self._send(self._context.write, message)
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        await self._send(self._context.send_initial_metadata, metadata)
+
+    async def _send(self, send: Callable[[Any], Awaitable[None]], what: Any) -> None:
+        if self._closed:  # the stream is ending: its handler is cancelled next
+            raise asyncio.CancelledError
+        self._sending += 1
+        try:
+            await send(what)
+        finally:
+            self._sending -= 1
+            if not self._sending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
+
+    def close(self) -> None:
+        """No send starts from now (one that tries is cancelled)."""
+        self._closed = True
+
+    async def settled(self) -> None:
+        """Once no send is in flight."""
+        while self._sending:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
