@@ -10,18 +10,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support import ServerThread
+from support import SERVING, ServerProcess, ServerThread, wait_health
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.tiers.disk import DiskTier
+from kvsvc.server.tiers.disk.format import SUFFIX
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -45,7 +48,16 @@ class Mount:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
 
     def remount(self, mode: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{mode}", str(self.path)], check=True)
+        """Remount (retried while a file open for writing makes it busy)."""
+        end = time.monotonic() + SOON_S
+        while True:
+            done = subprocess.run(
+                ["mount", "-o", f"remount,{mode}", str(self.path)], capture_output=True, text=True
+            )
+            if done.returncode == 0:
+                return
+            assert time.monotonic() < end, f"remount,{mode}: {done.stderr.strip()}"
+            time.sleep(0.05)
 
     def close(self) -> None:
         with contextlib.suppress(subprocess.CalledProcessError):
@@ -130,14 +142,17 @@ def test_a_disk_that_turns_read_only_and_back_heals_by_itself(
         st.stop()
 
 
-@pytest.mark.parametrize("wait_heal", [True, False], ids=["healed", "stopped-at-once"])
+@pytest.mark.parametrize(
+    "stop", ["healed", "stopped-at-once", "stopped-read-only"], ids=lambda s: s
+)
 def test_a_replaced_version_whose_file_stayed_is_never_served_again(
-    mount: Mount, shm_dir: Path, wait_heal: bool
+    mount: Mount, shm_dir: Path, stop: str
 ) -> None:
     """10 keys on disk; the disk turns read-only; a Store brings new bytes for each
-    (their old files cannot be removed); the disk takes writes again and the server
-    stops (once healed, or at once); a new server on the same directory never
-    serves the old bytes."""
+    (their old files cannot be removed); the server stops once the disk healed, at
+    once after it takes writes again, or while it is still read-only (the disk
+    then takes writes again); a new server on the same directory never serves the
+    old bytes."""
     root = mount.path / "disk"
     old, new = items(10, b"k", b"o"), items(10, b"k", b"n")
     st = ServerThread(disk_config(shm_dir, root))
@@ -152,11 +167,15 @@ def test_a_replaced_version_whose_file_stayed_is_never_served_again(
                 assert c.put(NS, [(key, data)]).stored_chunks == 1
             assert all(c.get(NS, k) == v for k, v in new)
             assert len(disk.health.owed) == 10
-            mount.remount("rw")
-            if wait_heal:
+            if stop != "stopped-read-only":
+                mount.remount("rw")
+            if stop == "healed":
                 until("owed files removed", lambda: disk.writing and not disk.health.owed)
     finally:
         st.stop()
+    if stop == "stopped-read-only":
+        assert len(chunk_files(root)) == 10  # the old files stayed
+        mount.remount("rw")
     st = ServerThread(disk_config(shm_dir, root))
     try:
         with KVCacheClient(st.address) as c:
@@ -168,3 +187,115 @@ def test_a_replaced_version_whose_file_stayed_is_never_served_again(
                 assert got == data, "a replaced version was served after the restart"
     finally:
         st.stop()
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return [p for p in root.glob(f"??/*{SUFFIX}") if p.is_file()]
+
+
+def test_a_kill_9_while_read_only_never_brings_a_replaced_version_back(
+    mount: Mount, spawn: Callable[..., ServerProcess]
+) -> None:
+    """`kvsvc serve` holds 10 keys on disk (restarted: memory empty); the disk turns
+    read-only; a Store brings new bytes for each; the server is killed -9 while the
+    disk is still read-only, so nothing on the disk could say the old files are
+    replaced; the disk takes writes again; a new server never serves the old bytes."""
+    root = mount.path / "disk"
+    args = ("--store-bytes", "16M", "--disk-dir", str(root))
+    old, new = items(10, b"k", b"o"), items(10, b"k", b"n")
+    srv = spawn(*args)
+    with KVCacheClient(srv.address) as c:
+        c.put(NS, old)
+    srv.signal(signal.SIGTERM)  # the queue drained: the old files are in place
+    assert srv.wait(30) == 0, srv.output()
+    assert len(chunk_files(root)) == 10
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    mount.remount("ro")
+    with KVCacheClient(srv.address) as c:
+        for key, data in new:
+            assert c.put(NS, [(key, data)]).stored_chunks == 1  # memory was empty
+        assert all(c.get(NS, k) == v for k, v in new)
+    srv.signal(signal.SIGKILL)
+    srv.wait(30)
+    assert len(chunk_files(root)) == 10  # the old files stayed
+    mount.remount("rw")
+
+    srv = spawn(*args)
+    wait_health(srv.address, SERVING)
+    with KVCacheClient(srv.address) as c:
+        for key, data in new:
+            with contextlib.suppress(Miss):
+                assert c.get(NS, key) == data, "a replaced version came back after kill -9"
+    assert chunk_files(root) == [], "the replaced files were not removed at the start"
+
+
+def test_a_namespace_dropped_while_read_only_stays_dropped_after_a_restart(
+    mount: Mount, shm_dir: Path
+) -> None:
+    """10 chunks on disk; the disk turns read-only; DropNamespace forgets them (the
+    writer's removals are refused); the server stops while the disk is still
+    read-only; the disk takes writes again: a new server neither lists nor serves
+    them, and their files are gone."""
+    root = mount.path / "disk"
+    chunks = items(10, b"d", b"x")
+    st = ServerThread(disk_config(shm_dir, root))
+    try:
+        disk = disk_of(st)
+        with KVCacheClient(st.address) as c:
+            c.put(NS, chunks)
+            until("10 written", lambda: disk.stats.writes == 10)
+            mount.remount("ro")
+            c.drop_namespace(NS)
+            until("the refused removals owed", lambda: len(disk.health.owed) == 10)
+            assert c.lookup([k for k, _ in chunks], namespace=NS) == 0
+    finally:
+        st.stop()
+    assert len(chunk_files(root)) == 10  # the files stayed
+    mount.remount("rw")
+    st = ServerThread(disk_config(shm_dir, root))
+    try:
+        with KVCacheClient(st.address) as c:
+            wait_health(st.address, SERVING)
+            assert c.lookup([k for k, _ in chunks], namespace=NS) == 0
+            assert c.get_many(NS, [chunks[0][0]]) == []
+        assert chunk_files(root) == []
+    finally:
+        st.stop()
+
+
+def test_a_disk_dir_removed_under_the_server_heals_by_itself(
+    shm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--disk-dir removed whole while the server runs (an operator's cleanup): the
+    next write fails (ENOENT: counted as io), the tier goes down, and its probe
+    makes the directory again, so writes land without a restart."""
+    caplog.set_level(logging.INFO, logger="kvsvc.server.tiers.disk")
+    root = tmp_path / "disk"
+    st = ServerThread(disk_config(shm_dir, root))
+    try:
+        disk = disk_of(st)
+        with KVCacheClient(st.address) as c:
+            c.put(NS, items(2, b"before", b"a"))
+            until("2 written", lambda: disk.stats.writes == 2)
+            shutil.rmtree(root)
+            c.put(NS, items(1, b"during", b"b"))
+            until("written after the heal", lambda: _put_until_written(c, disk, 3))
+            assert disk.writing and disk.health.skipped["io"] >= 1
+            assert disk.writer._thread.is_alive()
+            assert messages(caplog, "refuses writes") == 1
+            assert messages(caplog, "takes writes again") == 1
+        assert len(chunk_files(root)) >= 1
+    finally:
+        st.stop()
+
+
+def _put_until_written(c: KVCacheClient, disk: DiskTier, n: int) -> bool:
+    """One more new chunk (skipped while the tier is down); True once ``n`` landed."""
+    if disk.stats.writes >= n:
+        return True
+    if disk.writing and not disk.writer.depth:
+        c.put(NS, items(1, b"after-%d" % time.monotonic_ns(), b"c"))
+    time.sleep(0.05)
+    return False

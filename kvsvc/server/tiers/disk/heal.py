@@ -10,9 +10,12 @@ disk is not down: eviction makes room, and each skipped write says so.
 Files a Store replaced but that could not be removed (the disk refused) are owed:
 they are out of the index at once, so this process never serves them, and their
 removal is queued again, ahead of any new write, as soon as the disk is back, and
-at stop. A new start on a directory that takes no writes is refused (the tier's
-``start``), so only a process killed after the disk came back and before the next
-probe (at most ``RETRY_S``) can leave an owed file for its successor."""
+at stop. Memory alone would not outlive the process: a server killed or stopped
+while the disk refuses, or in the second between the disk's recovery and the next
+probe, would leave the old file for its successor to index. So each owed name is
+also recorded off the disk before the Store replies, and a start removes what the
+record lists before it indexes (kvsvc.server.tiers.disk.owed: where, and the one
+case it cannot cover)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,16 @@ the queue drained at stop.
 
 Best-effort like every tier: a full disk, an I/O error, a file deleted or
 truncated under the server are a skipped write or a miss (counted), never a
-failed call. Only the event loop touches the index and the counters."""
+failed call. Only the event loop touches the index and the counters.
+
+A replaced version is never served again, across restarts: a Store of other
+bytes under a key removes the old file before it replies; if the disk refuses
+(read-only, EIO, EACCES), the file leaves the index at once and is owed: its
+name recorded off the disk before the reply (kvsvc.server.tiers.disk.owed), its
+removal retried ahead of any new write once the disk takes writes and at stop,
+and done by the next start before it indexes (a file it still cannot remove is
+not indexed). The record's limit (a tmpfs shm dir emptied by a host reboot before
+the disk was seen writable again) is the one way back, told in ``owed``."""
 
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +37,7 @@ from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
 from kvsvc.server.tiers.disk.heal import DOWN_REASONS, WriteHealth
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
+from kvsvc.server.tiers.disk.owed import OwedRecord
 from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
 from kvsvc.server.tiers.disk.writer import Write, Writer, failure
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -122,6 +132,8 @@ class DiskTier(Tier):
         )
         #: whether writes land; the probes and removals owed while they do not
         self.health = WriteHealth(self.root, loop, self.writer.probe, self._unlink_owed)
+        #: the removals owed, where a restart finds them (kvsvc.server.tiers.disk.owed)
+        self.owed_record = OwedRecord(self.root, config.data.shm_dir)
         self.reader = Reader(self.root, store, loop)
 
     # --- life ---
@@ -134,10 +146,38 @@ class DiskTier(Tier):
             raise ConfigError(
                 f"--disk-dir {self.root}: not a writable directory ({exc.strerror or exc})"
             ) from None
+        self._pay_recorded()
         self.writer.start()
         threading.Thread(
             target=self._rebuild, args=(ready,), name="kvsvc-disk-index", daemon=True
         ).start()
+
+    def _pay_recorded(self) -> None:
+        """Before the writer starts and the index is rebuilt: remove the files an
+        earlier process owed (replaced, dropped or evicted while the disk refused
+        their removal; kvsvc.server.tiers.disk.owed). One still refused stays owed:
+        never indexed, retried."""
+        names = self.owed_record.load()
+        if not names:
+            return
+        left = []
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.root, name))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                left.append(name)
+                log.warning("disk tier: removing %s, owed by an earlier server: %s", name, exc)
+        self.health.owe(left)
+        self.owed_record.write(left)
+        log.warning(
+            "disk tier: %d files an earlier server owed removal (a version replaced, or a "
+            "file dropped, while %s refused writes): removed before the index is rebuilt%s",
+            len(names) - len(left),
+            self.root,
+            f"; {len(left)} still refused, kept out of the index" if left else "",
+        )
 
     def _rebuild(self, on_ready: Callable[[], None]) -> None:
         try:
@@ -153,6 +193,10 @@ class DiskTier(Tier):
     def _indexed(self, rebuilt: Rebuilt | None, on_ready: Callable[[], None]) -> None:
         """On the loop: the rebuilt index, with what was written meanwhile on top."""
         if rebuilt is not None:
+            owed = self.health.owed  # on disk still, never to be served
+            for key, entry in list(rebuilt.index.entries.items()) if owed else ():
+                if entry.name in owed:
+                    rebuilt.index.remove(key)
             live = self.index
             self.index = rebuilt.index
             for key, entry in live.entries.items():
@@ -262,11 +306,25 @@ class DiskTier(Tier):
 
     def _owe(self, name: str, reason: str) -> None:
         """``name`` holds a version that must not come back and could not be removed:
-        out of the index already, its removal is retried once the disk takes writes
-        (kvsvc.server.tiers.disk.heal)."""
+        out of the index already, recorded for a restart (before the reply: this runs
+        in the Store's own turn of the loop; kvsvc.server.tiers.disk.owed), its
+        removal retried once the disk takes writes (kvsvc.server.tiers.disk.heal). A
+        retried removal refused again leaves the tier as it is: the probe that
+        brought it back proved writes land."""
         self.stats.write_errors += 1
+        if name in self.health.owed:
+            return
         self.health.owe([name])
+        self.owed_record.add([name])
         self.health.failed(reason if reason in DOWN_REASONS else "io", "removal")
+
+    def _paid(self, names: Iterable[str]) -> None:
+        """``names`` no longer hold what was owed (removed, or renamed over)."""
+        owed = self.health.owed
+        gone = [name for name in names if name in owed]
+        if gone:
+            self.health.settle(gone)
+            self.owed_record.write(owed)
 
     def _unlink_owed(self, names: list[str]) -> None:
         for name in names:
@@ -368,7 +426,7 @@ class DiskTier(Tier):
             if left:
                 self._unlinking[name] = left
         kept = {name for name, _ in failed}
-        self.health.settle(n for n in names if n not in kept)
+        self._paid(n for n in names if n not in kept)
         for name, reason in failed:
             self._owe(name, reason)
 
@@ -395,6 +453,7 @@ class DiskTier(Tier):
         if self._writing.get(w.key) is w:
             del self._writing[w.key]
         if outcome == "written" and not w.superseded:  # a superseded one: see _replace
+            self._paid([w.name])  # the rename replaced an owed file in place
             self.index.add(w.key, Entry(w.name, w.size, w.file_bytes, w.owner, w.version))
             self.stats.writes += 1
             self.stats.bytes_written += w.size

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
-from kvsvc.server.tiers.disk.format import PAGE, TMP_DIR
+from kvsvc.server.tiers.disk.format import PAGE, QUARANTINE_DIR, TMP_DIR
 
 log = logging.getLogger("kvsvc.server.tiers.disk")
 
@@ -197,6 +197,8 @@ class Writer:
                     self._back(item, "io")
                 elif isinstance(item, Probe):
                     self._tell(self._probed, "io")
+                else:  # not known to be gone: owed (a later removal of a gone file is a no-op)
+                    self._tell(self._unlinked, item.names, [(name, "io") for name in item.names])
             if self._queue.empty():
                 self.idle.set()
 
@@ -223,6 +225,8 @@ class Writer:
     def _probe(self) -> str | None:
         tmp = os.path.join(self.root, TMP_DIR, "probe-" + uuid.uuid4().hex)
         try:
+            for sub in (TMP_DIR, QUARANTINE_DIR):  # made again if removed under the server
+                os.makedirs(os.path.join(self.root, sub), exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.write(fd, b"kvsvc")
