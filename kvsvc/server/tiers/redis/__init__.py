@@ -11,7 +11,8 @@ One job per module:
 - ``lookup``: Lookup's pipelined EXISTS on the event loop; ``links``: the
   connections it keeps (redis-py's packer, hiredis' reader, a callback).
 - ``connection``: the clients, their settings (URL, TLS, password, timeouts, no
-  retries) and the gate every exchange passes; the tier's counters.
+  retries) and the gate every exchange passes; the tier's counters; Retrieve's
+  GET replies read off the socket (``Replies``).
 - ``health``: error kinds, the circuit breaker, DNS on its own thread.
 - ``values``: the self-verifying value format (header, parts, checksums).
 

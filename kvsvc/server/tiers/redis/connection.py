@@ -3,6 +3,8 @@ for Lookup on the loop) made from --remote's URL, TLS files and password, and th
 gate every exchange passes (DNS, breaker, how many already wait), which turns a
 failure into a counted miss. ``Connections`` is the base the tier's parts
 (lookup, fetch, writer) build on; it holds the counters kvsvc.server.ops.metrics reads.
+``Replies`` reads Retrieve's GET replies off a connection's socket, without
+hiredis, straight into the chunks they load.
 
 Redis is never part of the contract: every call has socket timeouts and no
 retries, and a failure is a miss and a counter, never an error, a hang or a
@@ -24,6 +26,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import Encoder, PythonRespSerializer
+from redis.exceptions import InvalidResponse
 from redis.retry import Retry
 
 from kvsvc.server.config import (
@@ -284,3 +287,133 @@ class Connections:
     @property
     def breaker_state(self) -> int:
         return self.breaker.state
+
+
+# --- replies read off the socket ---
+# Replies to a pipeline of GETs read straight off a redis-py connection's socket
+# (Retrieve's reads, kvsvc.server.tiers.redis.fetch). hiredis appends every byte
+# of a reply to its own buffer, growing it a socket read at a time, then copies
+# the whole reply into a new bytes object: two copies and a fresh allocation per
+# value before kvsvc copied it once more into its store. Here a reply's bytes go
+# from the socket straight to where the caller wants them (a chunk reserved in
+# the store), a piece at a time, so the caller checks each piece while it is
+# still in cache.
+#
+# Only what a GET answers is understood: a bulk string (``$<n>``), a nil
+# (``$-1``, RESP3's ``_``) or an error (``-``); anything else is an
+# InvalidResponse, and the caller drops the connection. The connection is
+# redis-py's (connected, authenticated, TLS, timeouts: its socket's), checked out
+# of its pool with nothing pending (the pool checks that), and goes back only
+# when every reply was read and nothing more is buffered (``Replies.clean``).
+
+#: bytes read ahead for the short parts of replies (the ``$<n>`` lines, headers)
+LINE_BUFFER_BYTES = 64 << 10
+#: the longest ``$<n>`` / ``-ERR ...`` line taken before the reply is judged garbage
+MAX_LINE_BYTES = 64 << 10
+
+
+class Stopped(Exception):
+    """The caller's stop was set while a reply was being read (not a failure)."""
+
+
+class Replies:
+    """The replies on one socket, in order. Every method reads what it needs and
+    no more than one socket read ahead into a small buffer; the caller's buffers
+    get the rest directly. ``stop`` is checked before each socket read."""
+
+    def __init__(self, sock: Any, stop: threading.Event | None = None) -> None:
+        self._sock = sock
+        self._stop = stop
+        self._buf = bytearray(LINE_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._lo = 0  # unread bytes are _buf[_lo:_hi]
+        self._hi = 0
+
+    @property
+    def clean(self) -> bool:
+        """Nothing read from the socket beyond the replies consumed."""
+        return self._lo == self._hi
+
+    def _recv(self, into: memoryview) -> int:
+        if self._stop is not None and self._stop.is_set():
+            raise Stopped
+        got = int(self._sock.recv_into(into))
+        if got <= 0:
+            raise redis.ConnectionError("Connection closed by server.")
+        return got
+
+    def _fill(self, need: int) -> None:
+        """At least ``need`` unread bytes in the buffer (grown if it is too small)."""
+        while self._hi - self._lo < need:
+            if self._lo == self._hi:
+                self._lo = self._hi = 0
+            elif self._lo + need > len(self._buf):  # move the unread bytes to the front
+                kept = self._hi - self._lo
+                if need > len(self._buf):
+                    bigger = bytearray(need)
+                    bigger[:kept] = self._view[self._lo : self._hi]
+                    self._buf, self._view = bigger, memoryview(bigger)
+                else:
+                    self._buf[:kept] = self._view[self._lo : self._hi]
+                self._lo, self._hi = 0, kept
+            self._hi += self._recv(self._view[self._hi :])
+
+    def length(self) -> int | None:
+        """The next reply's length: a bulk string's bytes follow (then ``end``);
+        None for a nil. An error reply raises ResponseError; anything else,
+        InvalidResponse."""
+        while (eol := self._buf.find(b"\r\n", self._lo, self._hi)) < 0:
+            if self._hi - self._lo > MAX_LINE_BYTES:
+                raise InvalidResponse("reply line too long")
+            self._fill(self._hi - self._lo + 1)
+        line = bytes(self._view[self._lo : eol])
+        self._lo = eol + 2
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            try:
+                n = int(rest)
+            except ValueError:
+                raise InvalidResponse(f"bad bulk length {rest[:32]!r}") from None
+            return None if n < 0 else n
+        if kind == b"_":
+            return None
+        if kind == b"-":
+            raise redis.ResponseError(rest.decode("utf-8", "replace"))
+        raise InvalidResponse(f"unexpected reply to GET {line[:32]!r}")
+
+    def peek(self, n: int) -> memoryview:
+        """The next ``n`` bytes, not consumed (valid until the next call)."""
+        self._fill(n)
+        return self._view[self._lo : self._lo + n]
+
+    def skip(self, n: int) -> None:
+        """Consume ``n`` bytes."""
+        while n:
+            if self._lo == self._hi:
+                self._fill(1)
+            take = min(n, self._hi - self._lo)
+            self._lo += take
+            n -= take
+
+    def some(self, dst: memoryview) -> int:
+        """Up to ``len(dst)`` (> 0) next bytes into ``dst``: what is buffered, else
+        one socket read straight into ``dst``. Returns how many."""
+        have = self._hi - self._lo
+        if have:
+            take = min(have, len(dst))
+            dst[:take] = self._view[self._lo : self._lo + take]
+            self._lo += take
+            return take
+        return self._recv(dst)
+
+    def into(self, dst: memoryview) -> None:
+        """Exactly ``len(dst)`` next bytes into ``dst``."""
+        pos, n = 0, len(dst)
+        while pos < n:
+            pos += self.some(dst[pos:])
+
+    def end(self) -> None:
+        """The CRLF that ends a bulk string."""
+        if self.peek(2) != b"\r\n":
+            raise InvalidResponse("bulk string not ended by CRLF")
+        self._lo += 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +134,24 @@ class Rejected(Exception):
         self.kind = kind
 
 
-def parse_head(rkey: bytes, layout: str, raw: bytes) -> tuple[int, list[int], memoryview, int]:
+#: bytes of a header before its variable part (header_length reads them)
+HEAD_FIXED_BYTES = _HEAD.size
+
+
+def header_length(fixed: bytes | memoryview) -> int:
+    """A value's header size, from its first HEAD_FIXED_BYTES (parse_head checks the
+    rest); Rejected if they are not the start of a header."""
+    if len(fixed) < _HEAD.size:
+        raise Rejected(BAD_HEADER)
+    magic, version, fp_len, _parts, _key_hash, _n, nseg = _HEAD.unpack_from(fixed)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise Rejected(BAD_HEADER)
+    return int(_HEAD.size + fp_len + 8 * nseg)
+
+
+def parse_head(
+    rkey: bytes, layout: str, raw: bytes | memoryview
+) -> tuple[int, list[int], memoryview, int]:
     """(parts, digests, first part's data, total length) of a value's first key."""
     if len(raw) < _HEAD.size:
         raise Rejected(BAD_HEADER)
@@ -189,3 +206,31 @@ def load_into(
                 pi, off = pi + 1, 0
         if checksum(dst[lo:hi]) != digest:
             raise Rejected(BAD_CHECKSUM)
+
+
+def receive_into(
+    some: Callable[[memoryview], int], dst: memoryview, addr: int, digests: list[int]
+) -> bool:
+    """Fill ``dst`` (at address ``addr``) with a value's bytes as ``some`` gives them
+    (kvsvc.server.tiers.redis.replies.Replies.some: a socket read straight into
+    ``dst``), checking each store segment's CRC-32C against ``digests``: each
+    piece is hashed right after it lands (still in cache; the native CRC without
+    the GIL), so the bytes are read off the socket and checked in one pass. False
+    at the first segment that does not match (it stops there: ``dst`` is then
+    garbage and the rest of the value unread)."""
+    bounds = segments(len(dst))
+    if len(bounds) != len(digests):
+        return False
+    native = copies.NATIVE
+    for (lo, hi), digest in zip(bounds, digests, strict=True):
+        pos, crc = lo, 0
+        while pos < hi:
+            got = some(dst[pos:hi])
+            if native is not None:
+                crc = native.crc32c(crc, addr + pos, got)
+            pos += got
+        if native is None:
+            crc = checksum(dst[lo:hi])
+        if crc != digest:
+            return False
+    return True
