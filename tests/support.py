@@ -186,10 +186,18 @@ def wait_inflight(address: str, n: int, limit: float = 30) -> None:
             time.sleep(0.02)
 
 
-def wait_health(address: str, status: int, limit: float = 30, token: str | None = None) -> None:
-    """Poll the health service until it reports ``status`` (bounded)."""
+def wait_health(
+    address: str,
+    status: int,
+    limit: float = 30,
+    token: str | None = None,
+    service: str = "kvsvc.v1.KVCacheService",
+) -> None:
+    """Poll the health service until it reports ``status`` (bounded): readiness, the
+    service's name, by default (a held part, such as the disk's index, keeps only
+    that NOT_SERVING; "" is liveness)."""
     end = time.monotonic() + limit
-    while health_status(address, token=token) != status:
+    while health_status(address, service, token=token) != status:
         assert time.monotonic() < end, f"health not {status} after {limit} s"
         time.sleep(0.02)
 
