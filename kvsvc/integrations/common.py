@@ -69,6 +69,11 @@ class ConnectionSettings:
     tls_key: str = ""
     tls_server_name: str = ""
     fd_socket: str = ""
+    # The identity of the model's weights in the namespace fingerprint, when the
+    # files' own (identity.py: config digest, weight files' sizes and mtimes, hub
+    # commit) should not decide: e.g. the same release copied to hosts with other
+    # mtimes. Deployments with different weights must never set the same value.
+    model_identity: str = ""
     # Lookups answered from a presence index that follows kvsvc's events stream (no
     # RPC while it is fresh); False: a Lookup RPC each time.
     presence: bool = True

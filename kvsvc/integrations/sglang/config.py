@@ -41,3 +41,17 @@ class SglangStorageConfig(ConnectionSettings):
     def parse(cls, extra: dict[str, Any] | None) -> SglangStorageConfig:
         ours = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
         return parse_settings(cls, ours, "KVSVC_SGLANG_", "--hicache-storage-backend-extra-config")
+
+
+def model_source(model_name: str | None) -> tuple[str, str | None, bool]:
+    """``(path or hub name, revision, revision known)`` of the model SGLang runs: from
+    SGLang's runtime context (what its own storage linkers read), else the storage
+    config's ``model_name`` (SGLang's served name, possibly tagged with the host
+    pool's page format: then only a name, and identity.py says so)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        bag = get_model()
+        return str(bag.model_path), getattr(bag, "revision", None), True
+    except Exception:  # noqa: BLE001 - not published (a test, another SGLang): the name
+        return str(model_name or ""), None, False

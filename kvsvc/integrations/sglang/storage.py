@@ -45,7 +45,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from kvsvc.client import KVCacheClient, MappingHandle  # noqa: E402
 from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss  # noqa: E402
 from kvsvc.integrations.common import Link  # noqa: E402
-from kvsvc.integrations.sglang.config import SglangStorageConfig  # noqa: E402
+from kvsvc.integrations.identity import fingerprint_weights  # noqa: E402
+from kvsvc.integrations.sglang.config import SglangStorageConfig, model_source  # noqa: E402
 from kvsvc.integrations.sglang.pages import (  # noqa: E402
     LayoutRefused,
     Staging,
@@ -135,8 +136,13 @@ class KvsvcHiCacheStorage(HiCacheStorage):
     def _namespace(self, pool: Any) -> str:
         """Shared only by engines whose pages are interchangeable byte for byte."""
         assert self.view is not None
+        path, revision, known = model_source(self.sc.model_name)
+        weights = fingerprint_weights(
+            path, revision, self.cfg.model_identity, log, revision_known=known
+        )
         fingerprint = {
             "model": str(self.sc.model_name),
+            "weights": weights,
             "mla": self.is_mla,
             "layout": str(pool.layout),
             "dtype": str(self.view.dtype),

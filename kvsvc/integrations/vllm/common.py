@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
+from kvsvc.integrations.identity import fingerprint_weights  # noqa: E402
 from kvsvc.integrations.vllm.config import VllmConnectorConfig  # noqa: E402
 
 log = logging.getLogger("kvsvc.vllm")
@@ -106,14 +107,17 @@ class KvsvcConnectorStats(KVConnectorStats):
 
 def deployment_namespace(vllm_config: Any, kv_cache_config: Any, cfg: VllmConnectorConfig) -> str:
     """The namespace two engines share only when their KV is interchangeable:
-    model, dtype, block size, KV spec, parallel sizes, vLLM minor version. The
-    TP rank goes into each key, the worker's tensor layout into the mapping
-    (the server refuses to load a chunk stored under another layout)."""
+    model and its weights' identity (identity.py), dtype, block size, KV spec,
+    parallel sizes, vLLM minor version. The TP rank goes into each key, the
+    worker's tensor layout into the mapping (the server refuses to load a chunk
+    stored under another layout)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     specs = sorted({repr(g.kv_cache_spec) for g in getattr(kv_cache_config, "kv_cache_groups", [])})
+    revision = getattr(mc, "revision", None)
     fingerprint = {
         "model": str(mc.model),
-        "revision": str(getattr(mc, "revision", None)),
+        "revision": str(revision),
+        "weights": fingerprint_weights(str(mc.model), revision, cfg.model_identity, log),
         "dtype": str(mc.dtype),
         "cache_dtype": str(cc.cache_dtype),
         "block_size": int(cc.block_size),
@@ -134,6 +138,11 @@ def offload_namespace(config: Any, row_bytes: int, cfg: VllmConnectorConfig) -> 
     fingerprint = {
         "kind": "offload",  # another byte layout than the KV connector's chunks
         "model": str(config.model.name),
+        # vLLM's offloading config carries no revision: a hub name resolves only
+        # when this host's cache holds one revision of it.
+        "weights": fingerprint_weights(
+            str(config.model.name), None, cfg.model_identity, log, revision_known=False
+        ),
         "cache_dtype": str(config.model.dtype),
         "groups": [[g.group_id, g.tokens_per_block, len(g.layer_names)] for g in config.groups],
         "worker_kv_bytes_per_block": int(config.worker_kv_bytes_per_block),
