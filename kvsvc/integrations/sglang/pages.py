@@ -1,25 +1,30 @@
-"""SGLang's host pool as pages kvsvc can copy. Data path: one staging region per
-backend, a sealed memfd of ``STORAGE_BATCH_SIZE`` pages that kvsvc maps once.
-A write gathers the batch's pages from the host pool into it (one copy, torch's
-threads) and Stores them as blocks; a read Retrieves into it and scatters back.
+"""SGLang's host pool as pages kvsvc can copy, described only by SGLang's own
+interface: ``get_page_buffer_meta(host_indices)`` names each page as byte runs
+(pointer, size) in the order that makes up the page, and ``kv_buffer`` is the host
+memory those pointers lie in (what every other backend registers with its transfer
+engine). Nothing is read from the buffer's shape or the layout's name, so a flat
+buffer, a shaped one, MHA, MLA, every ``--hicache-mem-layout`` SGLang describes and
+any page size are the same case: a page is its runs, concatenated.
 
-Why not map the host pool itself: SGLang allocates it with its own allocator
-(malloc, its unsealed ``shm`` memfd, CUDA-pinned memory) and keeps raw pointer
-tables into it (``k_data_ptrs`` for its transfer kernels, ``cudaHostRegister``
-ranges), so it cannot be moved into a sealed memfd after the fact, and the
-server maps only sealed memory (a file its owner can shrink would SIGBUS it).
+The pool's memory is seen as rows of ``unit`` bytes (the largest size that divides
+every run's size and offset), so a batch of pages is one list of row indices and
+moves with one ``index_select`` / ``index_copy_`` (torch's threads, a memcpy a row).
 
-The page view is derived from the pool's tensor by layout and checked, page by
-page, against the pointers SGLang itself reports (``get_page_buffer_meta``): a
-layout whose pages are not exactly those bytes is refused at construction."""
+Data path: one staging region per direction (``Staging``), a sealed memfd of
+``STORAGE_BATCH_SIZE`` pages that kvsvc maps once. A write gathers the batch's
+pages into it and Stores them as blocks; a read Retrieves into it and scatters
+back. The host pool itself is not mapped: SGLang allocates it itself (``mmap``,
+its unsealed ``shm`` memfd, CUDA-pinned memory), and the server maps only sealed
+memory (a file its owner can shrink would SIGBUS it)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import ctypes
 import math
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,126 +32,206 @@ import torch
 
 from kvsvc.client.fdpass import make_sealed_memfd
 from kvsvc.client.kvcache import rank_context
-from kvsvc.layout import dtype_code
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-# Layouts indexed by token (a page is ``page_size`` rows of the token dim) and the
-# dim that indexes tokens or pages, per (MLA?, layout) (pool_host/mha.py, mla.py).
-_TOKEN_LAYOUTS = frozenset({"layer_first", "page_first"})
-_PAGE_DIM = {
-    (False, "layer_first"): 2,  # (2, L, tokens, H, D)
-    (False, "page_first"): 1,  # (2, tokens, L, H, D)
-    (False, "page_first_direct"): 1,  # (2, pages, L, page, H, D)
-    (False, "page_head"): 1,  # (2, pages, H, page, L, D)
-    (False, "page_unified"): 0,  # (pages, groups, L, 2, page, heads, D)
-    (True, "layer_first"): 1,  # (L, tokens, 1, D)
-    (True, "page_first"): 0,  # (tokens, L, 1, D)
-    (True, "page_first_direct"): 0,  # (pages, L, page, 1, D)
-    (True, "page_unified"): 0,  # (pages, L, page, D)
-}
 
 
 class LayoutRefused(ValueError):
     """A host pool this backend cannot copy pages of; the message is one line."""
 
 
-def page_view(pool: Any, is_mla: bool) -> tuple[torch.Tensor, int]:
-    """The host pool's buffer as ``(outer..., pages, page_elements)`` and the page
-    dim, or LayoutRefused naming why not."""
-    layout = str(getattr(pool, "layout", "?"))
-    dim = _PAGE_DIM.get((is_mla, layout))
-    kind = "MLA" if is_mla else "MHA"
-    if dim is None:
-        raise LayoutRefused(
-            f"kvsvc: {kind} host layout {layout!r} is not supported (supported: "
-            f"{sorted(name for mla, name in _PAGE_DIM if mla == is_mla)})"
-        )
-    buf = getattr(pool, "kv_buffer", None)
-    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu":
-        raise LayoutRefused(f"kvsvc: the {kind} host pool has no CPU kv_buffer tensor")
-    if not buf.is_contiguous():
-        raise LayoutRefused(f"kvsvc: the {kind} host pool's kv_buffer is not contiguous")
-    page = int(pool.page_size)
-    rows = int(buf.shape[dim])
-    if layout in _TOKEN_LAYOUTS:
-        if rows % page:
-            raise LayoutRefused(f"kvsvc: {rows} host tokens are not whole pages of {page}")
-        pages = rows // page
-    else:
-        pages = rows
-    return buf.view(*buf.shape[:dim], pages, -1), dim
+class PagesUnavailable(ValueError):
+    """One call's pages cannot be copied (SGLang described them otherwise than at
+    registration, or outside its host memory); the message is one line."""
 
 
-def check_against_sglang(pool: Any, view: torch.Tensor, dim: int) -> None:
-    """Each page's bytes as SGLang reports them (get_page_buffer_meta) are exactly
-    the page's bytes in ``view``; else LayoutRefused."""
-    pages = view.shape[dim]
-    page = int(pool.page_size)
-    probe = sorted({0, 1, pages // 2, pages - 1} & set(range(pages)))
-    try:
-        ptrs, sizes = pool.get_page_buffer_meta(
-            torch.tensor([p * page + i for p in probe for i in range(page)], dtype=torch.int64)
-        )
-    except Exception as exc:  # noqa: BLE001 - a layout SGLang itself cannot describe
-        raise LayoutRefused(
-            f"kvsvc: get_page_buffer_meta fails on this host pool ({type(exc).__name__}: {exc})"
-        ) from None
-    per = len(ptrs) // len(probe)
-    el = view.element_size()
-    for j, p in enumerate(probe):
-        runs = _runs(view.select(dim, p), el)
-        mine = sorted(
-            zip(ptrs[j * per : (j + 1) * per], sizes[j * per : (j + 1) * per], strict=True)
-        )
-        if _merge(mine) != runs:
-            raise LayoutRefused(
-                f"kvsvc: page {p} of host layout {pool.layout!r} is not the bytes SGLang "
-                "reports for it (get_page_buffer_meta): refused rather than copy wrong bytes"
+@dataclass(frozen=True)
+class HostPages:
+    """The pool's host memory as ``(rows, unit)`` bytes, and how a page's runs map to
+    rows: page ``i`` of a batch is rows ``rows(indices)[i*per_page:(i+1)*per_page]``."""
+
+    pool: Any
+    page_size: int
+    sizes: tuple[int, ...]  # the byte runs of one page, in SGLang's order
+    dtype: torch.dtype
+    base: int  # address of row 0
+    unit: int
+    flat: torch.Tensor  # the whole span as bytes
+    buffers: tuple[tuple[int, int], ...]  # (start, end) of each host buffer, sorted
+    counts: torch.Tensor  # rows of each run of a page
+    within: torch.Tensor  # each row's index inside its run, for one page
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def per_page(self) -> int:
+        return self.page_bytes // self.unit
+
+    @property
+    def arena(self) -> torch.Tensor:
+        return self.flat[: self.flat.numel() // self.unit * self.unit].view(-1, self.unit)
+
+    def rows(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """The row indices of the pages at ``host_indices`` (whole pages, as SGLang's
+        controller passes them), from SGLang's own description of those pages."""
+        n, rest = divmod(len(host_indices), self.page_size)
+        if rest:
+            raise PagesUnavailable(f"{len(host_indices)} host indices are not whole pages")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        try:
+            ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        except Exception as exc:  # noqa: BLE001 - SGLang's own refusal, as a miss
+            raise PagesUnavailable(
+                f"get_page_buffer_meta failed ({type(exc).__name__}: {exc})"
+            ) from None
+        if len(ptrs) != n * len(self.sizes) or list(sizes) != list(self.sizes) * n:
+            raise PagesUnavailable(
+                "get_page_buffer_meta describes these pages otherwise than at registration"
             )
+        offsets = torch.tensor(ptrs, dtype=torch.int64) - self.base
+        ends = offsets + torch.tensor(self.sizes, dtype=torch.int64).repeat(n)
+        self._check_inside(offsets, ends)
+        if bool((offsets % self.unit).any()):
+            raise PagesUnavailable("a page run is not aligned to the rows of the host pool")
+        starts = offsets // self.unit
+        if self.per_page == len(self.sizes):
+            return starts
+        return starts.repeat_interleave(self.counts.repeat(n)) + self.within.repeat(n)
+
+    def _check_inside(self, offsets: torch.Tensor, ends: torch.Tensor) -> None:
+        """Every run lies inside one of the pool's buffers: a pointer SGLang got wrong
+        is a refused call, never a copy to or from memory the pool does not own."""
+        starts = torch.tensor([s - self.base for s, _ in self.buffers], dtype=torch.int64)
+        stops = torch.tensor([e - self.base for _, e in self.buffers], dtype=torch.int64)
+        which = torch.searchsorted(starts, offsets, right=True) - 1
+        if bool((which < 0).any()) or bool((ends > stops[which.clamp(min=0)]).any()):
+            raise PagesUnavailable("a page run lies outside the host pool's buffers")
+
+    def span(self, ptr: int, size: int) -> torch.Tensor:
+        """The bytes ``[ptr, ptr + size)`` of the pool (the pointer-style calls), or
+        PagesUnavailable when they are not inside one of its buffers."""
+        if not isinstance(ptr, int) or not isinstance(size, int) or size <= 0:
+            raise PagesUnavailable(f"target {ptr!r} of {size!r} bytes is not a pointer and size")
+        if not any(s <= ptr and ptr + size <= e for s, e in self.buffers):
+            raise PagesUnavailable(f"{size} bytes at {ptr:#x} lie outside the host pool's buffers")
+        return self.flat[ptr - self.base : ptr - self.base + size]
 
 
-def _runs(page: torch.Tensor, el: int) -> list[tuple[int, int]]:
-    """The byte runs ``(address, size)`` of one page of the view (its last dim is
-    contiguous; each index of the dims before it is one run)."""
-    inner = page.shape[-1] * el
-    outer = page.shape[:-1]
-    strides = page.stride()[:-1]
-    start = page.data_ptr()
-    runs = [
-        (start + sum(i * s for i, s in zip(index, strides, strict=True)) * el, inner)
-        for index in itertools.product(*(range(n) for n in outer))
-    ]
-    return _merge(runs)
+def host_pages(pool: Any, is_mla: bool) -> HostPages:
+    """The pool as ``HostPages``, or LayoutRefused naming why not (one line)."""
+    kind = "MLA" if is_mla else "MHA"
+    layout = getattr(pool, "layout", "?")
+    if not callable(getattr(pool, "get_page_buffer_meta", None)):
+        raise LayoutRefused(
+            f"kvsvc: the {kind} host pool has no get_page_buffer_meta (SGLang's zero-copy "
+            "description of its pages)"
+        )
+    page_size = int(getattr(pool, "page_size", 0) or 0)
+    if page_size <= 0:
+        raise LayoutRefused(f"kvsvc: the {kind} host pool has no page size")
+    tensors = _buffers(pool, kind)
+    buffers = tuple(sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors))
+    base, end = buffers[0][0], max(e for _, e in buffers)
+    probe = _probe_pages(pool, page_size)
+    runs: list[list[tuple[int, int]]] = []
+    for p in probe:
+        idx = torch.arange(p * page_size, (p + 1) * page_size, dtype=torch.int64)
+        try:
+            ptrs, sizes = pool.get_page_buffer_meta(idx)
+        except Exception as exc:  # noqa: BLE001 - a pool SGLang itself cannot describe
+            raise LayoutRefused(
+                f"kvsvc: SGLang's get_page_buffer_meta refuses {kind} host layout {layout!r}"
+                f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        runs.append([(int(a), int(s)) for a, s in zip(ptrs, sizes, strict=True)])
+    sizes0 = tuple(s for _, s in runs[0])
+    if (
+        not sizes0
+        or any(s <= 0 for s in sizes0)
+        or any(tuple(s for _, s in r) != sizes0 for r in runs)
+    ):
+        raise LayoutRefused(
+            f"kvsvc: the {kind} host pool's pages (layout {layout!r}) are not the same runs "
+            "page to page (get_page_buffer_meta)"
+        )
+    unit = math.gcd(*sizes0, *(a - base for r in runs for a, _ in r))
+    pages = HostPages(
+        pool=pool,
+        page_size=page_size,
+        sizes=sizes0,
+        dtype=_dtype(pool, tensors),
+        base=base,
+        unit=unit,
+        flat=_bytes_at(base, end - base),
+        buffers=buffers,
+        counts=torch.tensor([s // unit for s in sizes0], dtype=torch.int64),
+        within=torch.cat([torch.arange(s // unit, dtype=torch.int64) for s in sizes0]),
+    )
+    for p in probe:
+        try:
+            rows = pages.rows(torch.arange(p * page_size, (p + 1) * page_size))
+        except PagesUnavailable as exc:
+            raise LayoutRefused(f"kvsvc: {kind} host layout {layout!r}: {exc}") from None
+        if len(set(rows.tolist())) != len(rows):
+            raise LayoutRefused(
+                f"kvsvc: the runs of a {kind} page (layout {layout!r}) overlap: "
+                "refused rather than copy wrong bytes"
+            )
+    return pages
 
 
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for addr, size in sorted(runs):
-        if out and out[-1][0] + out[-1][1] == addr:
-            out[-1] = (out[-1][0], out[-1][1] + size)
-        else:
-            out.append((addr, size))
-    return out
+def _buffers(pool: Any, kind: str) -> list[torch.Tensor]:
+    buf = getattr(pool, "kv_buffer", None)
+    found = list(buf) if isinstance(buf, (list, tuple)) else [buf]
+    tensors = [t for t in found if isinstance(t, torch.Tensor)]
+    if not tensors or len(tensors) != len(found):
+        raise LayoutRefused(f"kvsvc: the {kind} host pool has no kv_buffer tensor")
+    if any(t.device.type != "cpu" for t in tensors):
+        raise LayoutRefused(f"kvsvc: the {kind} host pool's kv_buffer is not in host memory")
+    return [t for t in tensors if t.nbytes]
+
+
+def _probe_pages(pool: Any, page_size: int) -> list[int]:
+    """Pages checked at registration: the first two and, when SGLang says how many
+    tokens the pool holds, the middle and the last."""
+    tokens = getattr(pool, "size", None)
+    pages = int(tokens) // page_size if isinstance(tokens, int) and tokens > 0 else 2
+    return sorted({0, 1, pages // 2, pages - 1} & set(range(max(pages, 1))))
+
+
+def _dtype(pool: Any, tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = getattr(pool, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else tensors[0].dtype
+
+
+def _bytes_at(address: int, size: int) -> torch.Tensor:
+    """``size`` bytes at ``address`` as a uint8 tensor (the pool keeps them alive)."""
+    raw = (ctypes.c_uint8 * size).from_address(address)
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 @dataclass
 class Staging:
-    """A sealed memfd of ``capacity`` pages shaped like the pool's page view: what
-    kvsvc maps (once per server start) and copies blocks to and from."""
+    """A sealed memfd of ``capacity`` pages of ``page_bytes``: what kvsvc maps (once
+    per server start) and copies blocks to and from."""
 
-    tensor: torch.Tensor  # (outer..., capacity, page_elements), block dim ``dim``
-    dim: int
+    tensor: torch.Tensor  # (capacity, page_bytes) uint8, block dim 0
     fd: int
     mm: mmap.mmap
     region: pb.RankRegion
 
     @property
     def capacity(self) -> int:
-        return int(self.tensor.shape[self.dim])
+        return int(self.tensor.shape[0])
 
     @property
     def page_bytes(self) -> int:
-        return math.prod(self.tensor.shape) // self.capacity * self.tensor.element_size()
+        return int(self.tensor.shape[1])
+
+    def rows(self, unit: int) -> torch.Tensor:
+        return self.tensor.view(-1, unit)
 
     def close(self) -> None:
         del self.tensor
@@ -155,13 +240,12 @@ class Staging:
         os.close(self.fd)
 
 
-def make_staging(view: torch.Tensor, dim: int, capacity: int, rank: int, tp: int) -> Staging:
-    shape = (*view.shape[:dim], capacity, view.shape[dim + 1])
-    nbytes = math.prod(shape) * view.element_size()
-    fd = make_sealed_memfd(f"kvsvc-sglang-tp{rank}", nbytes)
+def make_staging(name: str, page_bytes: int, capacity: int, rank: int, tp: int) -> Staging:
+    nbytes = capacity * page_bytes
+    fd = make_sealed_memfd(name, nbytes)
     populate = getattr(mmap, "MAP_POPULATE", 0)
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
-    tensor = torch.frombuffer(mm, dtype=view.dtype).view(shape)
+    tensor = torch.frombuffer(mm, dtype=torch.uint8).view(capacity, page_bytes)
     region = pb.RankRegion(
         context=rank_context(rank, tp),
         tensors=[
@@ -171,11 +255,11 @@ def make_staging(view: torch.Tensor, dim: int, capacity: int, rank: int, tp: int
                     sealed_memfd=pb.SealedMemfdHandle(token="", size_bytes=nbytes)
                 ),
                 offset_bytes=0,
-                shape=list(shape),
-                strides=list(tensor.stride()),
-                dtype=dtype_code(str(view.dtype)),  # type: ignore[arg-type]
-                block_dim=dim,
+                shape=[capacity, page_bytes],
+                strides=[page_bytes, 1],
+                dtype=pb.DTYPE_UINT8,
+                block_dim=0,
             )
         ],
     )
-    return Staging(tensor, dim, fd, mm, region)
+    return Staging(tensor, fd, mm, region)

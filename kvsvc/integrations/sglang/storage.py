@@ -6,64 +6,145 @@ the answers it expects: ``batch_exists`` an int, the v1 calls a list of bools as
 long as the keys. So every kvsvc failure here becomes a miss (0, False for that
 page and the pages after it) within the call's deadline, never an exception or
 None; after a failure kvsvc counts as down for ``reconnect_interval_s`` (0 hits,
-writes refused) and the backend then maps its staging region again. A transfer
-whose end is unproven bars the staging region until a Fence (or a new server
-start) proves no late copy can land in it."""
+writes refused) and the backend then maps its staging regions again. Reads and
+writes each have their own staging region (a ``_Lane``), so a prefetch never waits
+on a backup. A transfer whose end is unproven bars its lane's region until a Fence
+(or a new server start) proves no late copy can land in it.
+
+Version gate: SGLang releases outside ``TESTED_RANGE`` get one warning, not a
+refusal, while the seams this backend uses are there (``HiCacheStorage`` with its
+v1 calls, the host pool's ``get_page_buffer_meta``); only their absence is an
+ImportError."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import re
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import sglang
 import torch
 
-TESTED_VERSIONS = ("0.5",)
-SGLANG_VERSION = ".".join(str(sglang.__version__).split(".")[:2])
-if SGLANG_VERSION not in TESTED_VERSIONS:
-    raise ImportError(
-        f"kvsvc.integrations.sglang supports SGLang {', '.join(v + '.x' for v in TESTED_VERSIONS)};"
-        f" this is SGLang {sglang.__version__}, whose HiCache storage API it was not tested with"
-    )
-
-# After the version check, so another SGLang fails with the line above.
-from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
-    STORAGE_BATCH_SIZE,
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-)
-
-from kvsvc.client import KVCacheClient, MappingHandle  # noqa: E402
-from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss  # noqa: E402
-from kvsvc.integrations.common import Link  # noqa: E402
-from kvsvc.integrations.identity import fingerprint_weights  # noqa: E402
-from kvsvc.integrations.sglang.config import SglangStorageConfig, model_source  # noqa: E402
-from kvsvc.integrations.sglang.pages import (  # noqa: E402
+from kvsvc.client import KVCacheClient, MappingHandle
+from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss
+from kvsvc.integrations.common import Link
+from kvsvc.integrations.identity import fingerprint_weights
+from kvsvc.integrations.sglang.config import SglangStorageConfig, model_source
+from kvsvc.integrations.sglang.pages import (
+    HostPages,
     LayoutRefused,
+    PagesUnavailable,
     Staging,
-    check_against_sglang,
+    host_pages,
     make_staging,
-    page_view,
 )
-from kvsvc.v1 import kv_cache_service_pb2 as pb  # noqa: E402
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.sglang")
+
+#: The SGLang releases this backend was tested with, oldest and newest.
+TESTED_RANGE = ("0.5.23", "0.5.23")
+#: What the backend calls on SGLang's classes; without any of them it cannot work.
+STORAGE_SEAMS = ("register_mem_pool_host", "batch_exists", "batch_get_v1", "batch_set_v1")
+POOL_SEAMS = ("get_page_buffer_meta",)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def _absent(why: str) -> ImportError:
+    return ImportError(
+        f"kvsvc.integrations.sglang cannot run on SGLang {sglang.__version__}: {why} "
+        f"(tested with SGLang {TESTED_RANGE[0]} to {TESTED_RANGE[1]})"
+    )
+
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import (
+        STORAGE_BATCH_SIZE,
+        HiCacheStorage,
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+    )
+except ImportError as exc:
+    raise _absent(f"its HiCache storage interface does not import ({exc})") from exc
+
+
+def _host_pools() -> list[type]:
+    """SGLang's MHA and MLA host pool classes where 0.5.x keeps them; where they
+    moved, each pool is checked when it is registered instead."""
+    try:
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    except ImportError:
+        return []
+    return [MHATokenToKVPoolHost, MLATokenToKVPoolHost]
+
+
+def _check_seams() -> None:
+    """ImportError naming what is absent; one warning when the release is untested."""
+    missing = [
+        f"HiCacheStorage.{m}"
+        for m in STORAGE_SEAMS
+        if not callable(getattr(HiCacheStorage, m, None))
+    ]
+    missing += [
+        f"{pool.__name__}.{m}"
+        for pool in _host_pools()
+        for m in POOL_SEAMS
+        if not callable(getattr(pool, m, None))
+    ]
+    if missing:
+        raise _absent(f"it lacks {', '.join(missing)}")
+    version = _release(str(sglang.__version__))
+    if not _release(TESTED_RANGE[0]) <= version <= _release(TESTED_RANGE[1]):
+        log.warning(
+            "kvsvc: SGLang %s is outside the tested range %s to %s; the HiCache storage "
+            "seams kvsvc uses are present, so it runs",
+            sglang.__version__,
+            *TESTED_RANGE,
+        )
+
+
+_check_seams()
+
+
 # Pages per Store/Retrieve of a batch: small enough that gathering one piece overlaps
 # kvsvc's copy of the last, large enough that the calls' overhead stays small.
 PIECE_PAGES = 16
+# How long past a call's own deadline a kvsvc future may take before it counts as
+# unproven: every kvsvc future ends by its deadline, so this is only a backstop.
+BACKSTOP_S = 1.0
 
 
 class _SglangLink(Link):
     log = log
+
+
+@dataclass
+class _Lane:
+    """One direction's staging region, its mapping and the lock that orders its
+    batches. Reads and writes each have one, so SGLang's prefetch thread never
+    waits on its backup thread (nor the reverse)."""
+
+    name: str
+    staging: Staging
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mapping: MappingHandle | None = None
+    # A server start whose late copies may still land in the staging region, and
+    # the ids of those transfers (a Fence of them lifts the bar).
+    barred_start: str = ""
+    barred_ids: list[str] = field(default_factory=list)
 
 
 class KvsvcHiCacheStorage(HiCacheStorage):
@@ -79,20 +160,19 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             )
         self.sc = storage_config
         self.is_mla = bool(storage_config.is_mla_model)
-        self.writer = bool(storage_config.is_storage_writer)
         self.rank, self.tp = int(storage_config.tp_rank), int(storage_config.tp_size)
         self.link = _SglangLink(cfg, cfg.fence_timeout_s)
         self.warn = BoundedLog(log, 10.0)
-        self.lock = threading.Lock()  # the staging region: one batch at a time
-        self.staging: Staging | None = None
+        self.pages: HostPages | None = None
+        self.lanes: dict[str, _Lane] = {}
+        # Pages as kvsvc stores them, (pages, elements) in the pool's dtype, and their
+        # block dim: the geometry the namespace fingerprints.
         self.view: torch.Tensor | None = None
+        self.dim = 0
         self.namespace = ""
         self.prefix = b""
-        self.mapping: MappingHandle | None = None
-        # A server start whose late copies may still land in the staging region,
-        # and the ids of those transfers (a Fence of them lifts the bar).
-        self.barred_start = ""
-        self.barred_ids: list[str] = []
+        self.refused_once = False
+        self.closed = False
         self.index: Any = None
         self.index_client: KVCacheClient | None = None
         self.counters: dict[str, int] = {}
@@ -102,16 +182,28 @@ class KvsvcHiCacheStorage(HiCacheStorage):
 
     # --- setup ---
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Check the host pool's layout against SGLang's own page pointers and make
-        the staging region; a layout that cannot be copied is refused here, at start."""
+        """Learn the host pool's pages from SGLang's description of them and make the
+        staging regions; a pool whose pages cannot be copied is refused here, at start,
+        with one line (LayoutRefused)."""
         super().register_mem_pool_host(mem_pool_host)
-        view, dim = page_view(mem_pool_host, self.is_mla)
-        check_against_sglang(mem_pool_host, view, dim)
-        self.view, self.dim, self.page_size = view, dim, int(mem_pool_host.page_size)
+        pages = host_pages(mem_pool_host, self.is_mla)
         # MLA pages are the same on every rank: one region identity for all of them.
         rank, tp = (0, 1) if self.is_mla else (self.rank, self.tp)
-        self.staging = make_staging(view, dim, STORAGE_BATCH_SIZE, rank, tp)
+        lanes = {
+            name: _Lane(
+                name,
+                make_staging(
+                    f"kvsvc-sglang-{name}-tp{rank}", pages.page_bytes, STORAGE_BATCH_SIZE, rank, tp
+                ),
+            )
+            for name in ("get", "set")
+        }
+        self.page_size = pages.page_size
+        itemsize = pages.dtype.itemsize
+        staged = lanes["get"].staging.tensor
+        self.view = staged.view(pages.dtype) if pages.page_bytes % itemsize == 0 else staged
         self.namespace = self._namespace(mem_pool_host)
+        self.pages, self.lanes = pages, lanes
         sc = self.sc
         # MHA: a rank holds its own heads; MLA: one latent shared by every rank.
         part = b"mla" if self.is_mla else b"tp%d/%d" % (self.rank, self.tp)
@@ -122,15 +214,17 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         self.prefix = part + b"|"
         log.info(
             "kvsvc HiCache storage (tp %d/%d%s): target %s, namespace %s, layout %s, "
-            "%d-page staging region (%.1f MiB)",
+            "pages of %d runs (%d bytes), two %d-page staging regions (%.1f MiB each)",
             self.rank,
             self.tp,
             ", MLA" if self.is_mla else "",
             self.cfg.target,
             self.namespace,
-            mem_pool_host.layout,
-            self.staging.capacity,
-            self.staging.capacity * self.staging.page_bytes / (1 << 20),
+            getattr(mem_pool_host, "layout", "?"),
+            len(pages.sizes),
+            pages.page_bytes,
+            STORAGE_BATCH_SIZE,
+            STORAGE_BATCH_SIZE * pages.page_bytes / (1 << 20),
         )
 
     def _namespace(self, pool: Any) -> str:
@@ -159,10 +253,29 @@ class KvsvcHiCacheStorage(HiCacheStorage):
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
+    def _registered(self, call: str) -> bool:
+        """Whether the host pool is registered; before that every call is refused,
+        said once (SGLang registers right after building the backend)."""
+        if self.pages is not None and not self.closed:
+            return True
+        self._count("refused_unregistered")
+        if not self.refused_once:
+            self.refused_once = True
+            if self.closed:
+                log.error("kvsvc: %s called after close(): refused (misses)", call)
+            else:
+                log.error(
+                    "kvsvc: %s called before register_mem_pool_host: refused (misses) "
+                    "until SGLang registers its host pool",
+                    call,
+                )
+        return False
+
     def _failed(self, what: str, exc: BaseException) -> None:
         self._count("errors")
         self.link.failed()
-        self.mapping = None
+        for lane in self.lanes.values():
+            lane.mapping = None
         self.warn.warning(
             "kvsvc %s failed (%s: %s): misses for %.1f s",
             what,
@@ -171,39 +284,42 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             self.cfg.reconnect_interval_s,
         )
 
-    def _mapped(self) -> tuple[KVCacheClient, MappingHandle] | None:
-        """The client and the staging region's mapping (made again after a restart
-        or an outage), or None: kvsvc counts as down. Called under ``self.lock``."""
+    def _mapped(self, lane: _Lane) -> tuple[KVCacheClient, MappingHandle] | None:
+        """The client and the lane's mapping (made again after a restart or an
+        outage), or None: kvsvc counts as down. Called under ``lane.lock``."""
         client = self.link.get()
-        if client is None or self.staging is None:
+        if client is None:
             return None
-        if self.mapping is not None:
-            return client, self.mapping
+        if lane.mapping is not None:
+            return client, lane.mapping
         timeout = self.cfg.fence_timeout_s
         try:
             info = client.server_info(timeout=timeout)
-            if self.barred_start and info.server_start_id == self.barred_start:
+            if lane.barred_start and info.server_start_id == lane.barred_start:
                 # Same server start: a copy of ours may still run; only a Fence of
                 # those transfer ids proves it ended.
-                client.fence(None, self.barred_ids, timeout=timeout)
-            self.barred_start, self.barred_ids = "", []
-            token = client.register_memfd(self.staging.fd, timeout=timeout)
+                client.fence(None, lane.barred_ids, timeout=timeout)
+            lane.barred_start, lane.barred_ids = "", []
+            token = client.register_memfd(lane.staging.fd, timeout=timeout)
             region = pb.RankRegion()
-            region.CopyFrom(self.staging.region)
+            region.CopyFrom(lane.staging.region)
             for t in region.tensors:
                 t.handle.sealed_memfd.token = token
-            self.mapping = client.map(self.namespace, [region], timeout=timeout)
+            mapping = client.map(self.namespace, [region], timeout=timeout)
         except (KVServiceError, OSError) as exc:
             self._failed("map", exc)
             return None
-        log.info("kvsvc: staging region mapped as %s", self.mapping.mapping_id)
-        return client, self.mapping
+        lane.mapping = mapping
+        log.info("kvsvc: %s staging region mapped as %s", lane.name, mapping.mapping_id)
+        return client, mapping
 
-    def _unproven(self, ids: list[str], mapping: MappingHandle, exc: BaseException) -> None:
-        """A transfer failed without proof that its copy ended: bar the staging
-        region for this server start until a Fence proves it."""
-        self.barred_start = mapping.server_start_id
-        self.barred_ids = sorted(set(self.barred_ids) | set(ids))
+    def _unproven(
+        self, lane: _Lane, ids: list[str], mapping: MappingHandle, exc: BaseException
+    ) -> None:
+        """A transfer failed without proof that its copy ended: bar the lane's
+        staging region for this server start until a Fence proves it."""
+        lane.barred_start = mapping.server_start_id
+        lane.barred_ids = sorted(set(lane.barred_ids) | set(ids))
         self._failed("transfer", exc)
 
     # --- zero-copy (v1) ---
@@ -213,14 +329,9 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        n = len(keys)
-        if not self.writer:  # MLA: the writer rank stores the one shared copy
-            return [True] * n
-        try:
-            return self._batch_v1(keys, host_indices, store=True)
-        except Exception as exc:  # noqa: BLE001 - SGLang's backup thread must not see it
-            self._failed("batch_set_v1", exc)
-            return [False] * n
+        # Every rank that is called stores (an MLA non-writer the same bytes as the
+        # writer): SGLang's controller itself calls only is_storage_writer ranks.
+        return self._v1_call("set", keys, host_indices)
 
     def batch_get_v1(
         self,
@@ -228,13 +339,27 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
+        return self._v1_call("get", keys, host_indices)
+
+    def _v1_call(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        call = f"batch_{kind}_v1"
         try:
-            return self._batch_v1(keys, host_indices, store=False)
-        except Exception as exc:  # noqa: BLE001 - SGLang's prefetch thread must not see it
-            self._failed("batch_get_v1", exc)
-            return [False] * len(keys)
+            if not self._registered(call):
+                return [False] * len(keys)
+            return self._batch_v1(keys, host_indices, store=kind == "set")
+        except PagesUnavailable as exc:
+            self._count("pages_refused")
+            self.warn.warning("kvsvc %s refused: %s", call, exc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's prefetch/backup thread must not see it
+            self._failed(call, exc)
+        return [False] * len(keys)
 
     def _batch_v1(self, keys: list[str], host_indices: torch.Tensor, *, store: bool) -> list[bool]:
+        assert self.pages is not None
+        if len(host_indices) != len(keys) * self.page_size:
+            raise PagesUnavailable(
+                f"{len(keys)} keys but {len(host_indices)} host indices (pages of {self.page_size})"
+            )
         out: list[bool] = []
         cap = STORAGE_BATCH_SIZE
         for start in range(0, len(keys), cap):
@@ -251,31 +376,41 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         """How many leading pages of the batch were stored or loaded. The batch goes
         in pieces, pipelined: this thread gathers (or scatters) one piece while
         kvsvc copies another, so the staging copy overlaps kvsvc's."""
-        assert self.view is not None and self.staging is not None
-        pages = host_indices[:: self.page_size].to(torch.int64) // self.page_size
-        n = len(keys)
+        assert self.pages is not None
+        pages, lane = self.pages, self.lanes["set" if store else "get"]
+        rows = pages.rows(host_indices)
+        n, per = len(keys), pages.per_page
         t0 = time.perf_counter()
-        chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
-        pieces = [(a, min(a + PIECE_PAGES, n)) for a in range(0, n, PIECE_PAGES)]
         timeout = self.cfg.store_timeout_s if store else self.cfg.load_timeout_s
-        with self.lock:
-            got = self._mapped()
+        deadline = time.monotonic() + timeout
+        if not lane.lock.acquire(timeout=timeout):
+            self._count(f"{lane.name}_lane_busy")
+            self.warn.warning(
+                "kvsvc: the %s staging region stayed busy %.1f s: a miss", lane.name, timeout
+            )
+            return 0
+        try:
+            got = self._mapped(lane)
             if got is None:
                 return 0
             client, mapping = got
+            staged, arena = lane.staging.rows(pages.unit), pages.arena
+            chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
+            pieces = [(a, min(a + PIECE_PAGES, n)) for a in range(0, n, PIECE_PAGES)]
+            left = max(deadline - time.monotonic(), 0.001)
             futures: list[Future[Any]] = []
             for a, b in pieces:
                 if store:
-                    stage = self.staging.tensor.narrow(self.dim, a, b - a)
-                    torch.index_select(self.view, self.dim, pages[a:b], out=stage)
-                    futures.append(client.store_async(mapping, chunks[a:b], timeout=timeout))
+                    torch.index_select(
+                        arena, 0, rows[a * per : b * per], out=staged[a * per : b * per]
+                    )
+                    futures.append(client.store_async(mapping, chunks[a:b], timeout=left))
                 else:
-                    futures.append(client.retrieve_async(mapping, chunks[a:b], timeout=timeout))
+                    futures.append(client.retrieve_async(mapping, chunks[a:b], timeout=left))
             done, errors = 0, []
             for (a, b), f in zip(pieces, futures, strict=True):
                 try:
-                    # Every kvsvc future ends by its deadline; this bound is a backstop.
-                    r = f.result(timeout + 10)
+                    r = f.result(max(deadline - time.monotonic(), 0) + BACKSTOP_S)
                 except (KVServiceError, FutureTimeout) as exc:
                     errors.append(exc)
                     continue
@@ -287,23 +422,30 @@ class KvsvcHiCacheStorage(HiCacheStorage):
                 else:
                     loaded = int(r.loaded_chunks)
                     if loaded:
-                        stage = self.staging.tensor.narrow(self.dim, a, loaded)
-                        self.view.index_copy_(self.dim, pages[a : a + loaded], stage)
+                        span = slice(a * per, (a + loaded) * per)
+                        arena.index_copy_(0, rows[span], staged[span])
                     self._count("pages_loaded", loaded)
                     done = a + loaded
             if errors:
-                self._settle(client, mapping, errors[0], "store" if store else "retrieve")
+                self._settle(lane, client, mapping, errors[0], "store" if store else "retrieve")
             self._timed("set" if store else "get", done, t0)
             return done
+        finally:
+            lane.lock.release()
 
     def _settle(
-        self, client: KVCacheClient, mapping: MappingHandle, exc: BaseException, what: str
+        self,
+        lane: _Lane,
+        client: KVCacheClient,
+        mapping: MappingHandle,
+        exc: BaseException,
+        what: str,
     ) -> None:
         """After a failed transfer: bar the staging region while a copy may still run,
         else count kvsvc as down (a plain miss counts as nothing)."""
         ids = client.unproven_transfers(mapping)
         if ids or isinstance(exc, FutureTimeout):
-            self._unproven(ids, mapping, exc)
+            self._unproven(lane, ids, mapping, exc)
         elif not isinstance(exc, Miss):
             self._failed(what, exc)
 
@@ -312,6 +454,8 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         try:
+            if not self._registered("batch_exists"):
+                return 0
             return self._leading(keys)
         except Exception as exc:  # noqa: BLE001 - SGLang's hit query must get an int
             self._failed("batch_exists", exc)
@@ -321,7 +465,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def _leading(self, keys: Sequence[str]) -> int:
-        if not keys or not self.namespace:
+        if not keys:
             return 0
         client = self.link.get()
         if client is None:
@@ -342,7 +486,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             self._failed("lookup", exc)
             return 0
         self._count("exists_rpc")
-        return n
+        return int(n)
 
     def _index_hits(self, client: KVCacheClient, keys: list[bytes]) -> int | None:
         """From the presence index while it can prove itself current, else None."""
@@ -358,10 +502,15 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         hits: int | None = self.index.prefix_hits(keys)
         return hits
 
-    # --- tensor calls (the path without interface_v1: pages inline over gRPC) ---
+    # --- the calls without interface_v1: pages inline over gRPC, named either by
+    # tensors or (as SGLang's other backends also take them) by host pointers ---
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
-    ) -> torch.Tensor | None:
+    ) -> Any:
+        """The page as a tensor (into ``target_location`` when it is one), or None;
+        with a host pointer and size, True when the bytes were loaded there."""
+        if _is_pointer(target_location):
+            return self.batch_get([key], [target_location], [target_sizes]) == 1
         got = self.batch_get([key], [target_location] if target_location is not None else None)
         return got[0] if isinstance(got, list) else None
 
@@ -370,22 +519,40 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         keys: list[str],
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
-    ) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = [None] * len(keys)
+    ) -> Any:
+        """Tensors (None from the first miss on), or with host pointers the number
+        of leading keys loaded into them."""
+        by_pointer = target_locations is not None and _is_pointer(
+            next(iter(target_locations), None)
+        )
+        try:
+            if not self._registered("batch_get"):
+                return 0 if by_pointer else [None] * len(keys)
+            if by_pointer:
+                return self._get_at(keys, list(target_locations or ()), target_sizes)
+            return self._get_tensors(keys, target_locations)
+        except PagesUnavailable as exc:
+            self.warn.warning("kvsvc batch_get refused: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's prefetch thread must not see it
+            self._failed("get", exc)
+        return 0 if by_pointer else [None] * len(keys)
+
+    def _fetch(self, keys: list[str]) -> list[bytes]:
         client = self.link.get()
         if client is None or not keys:
-            return out
-        try:
-            data = client.get_many(
+            return []
+        return list(
+            client.get_many(
                 self.namespace, [self.key(k) for k in keys], timeout=self.cfg.load_timeout_s
             )
-        except KVServiceError as exc:
-            self._failed("get", exc)
-            return out
-        dtype = self.view.dtype if self.view is not None else torch.uint8
-        for i, blob in enumerate(data):
-            t = torch.frombuffer(bytearray(blob), dtype=dtype)
-            dst = target_locations[i] if target_locations is not None else None
+        )
+
+    def _get_tensors(self, keys: list[str], targets: Any | None) -> list[torch.Tensor | None]:
+        assert self.pages is not None
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for i, blob in enumerate(self._fetch(keys)):
+            t = torch.frombuffer(bytearray(blob), dtype=self.pages.dtype)
+            dst = targets[i] if targets is not None else None
             if dst is not None:
                 if dst.numel() != t.numel():
                     break  # another page geometry: a miss, never a wrong-sized copy
@@ -394,6 +561,17 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             out[i] = t
         return out
 
+    def _get_at(self, keys: list[str], ptrs: Sequence[Any], sizes: Any) -> int:
+        assert self.pages is not None
+        spans = [self.pages.span(p, s) for p, s in zip(ptrs, _sizes(sizes, len(keys)), strict=True)]
+        done = 0
+        for blob, span in zip(self._fetch(keys), spans, strict=False):
+            if len(blob) != span.numel():
+                break  # stored by another geometry: a miss, never a wrong-sized copy
+            span.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            done += 1
+        return done
+
     def set(
         self,
         key: str,
@@ -401,6 +579,8 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
+        if _is_pointer(target_location):
+            return self.batch_set([key], None, [target_location], [target_sizes])
         return self.batch_set([key], [value])
 
     def batch_set(
@@ -410,32 +590,59 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        if not self.writer or not keys:
-            return True
-        client = self.link.get()
-        if client is None or values is None:
-            return False
+        """Pages sent inline, taken from ``values`` (tensors) or from host pointers."""
         try:
-            chunks = [
-                (self.key(k), v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-                for k, v in zip(keys, values, strict=True)
-            ]
+            if not self._registered("batch_set"):
+                return False
+            if not keys:
+                return True
+            if values is not None:
+                blobs = [_tensor_bytes(v) for v in values]
+            elif target_locations is not None:
+                assert self.pages is not None
+                sizes = _sizes(target_sizes, len(keys))
+                blobs = [
+                    self.pages.span(p, s).numpy().tobytes()
+                    for p, s in zip(target_locations, sizes, strict=True)
+                ]
+            else:
+                raise PagesUnavailable("batch_set got neither values nor target locations")
+            client = self.link.get()
+            if client is None:
+                return False
+            chunks = [(self.key(k), b) for k, b in zip(keys, blobs, strict=True)]
             r = client.put(self.namespace, chunks, timeout=self.cfg.store_timeout_s)
-        except KVServiceError as exc:
+            return int(r.stored_chunks + r.present_chunks) == len(keys)
+        except (PagesUnavailable, ValueError) as exc:
+            self.warn.warning("kvsvc batch_set refused: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - SGLang's backup thread must not see it
             self._failed("put", exc)
-            return False
-        return int(r.stored_chunks + r.present_chunks) == len(keys)
+        return False
 
     # --- the rest ---
     def clear(self) -> None:
-        """SGLang's "flush cache": kvsvc's store is shared and other engines read it,
-        so nothing is deleted; this engine's presence index is dropped."""
-        self.index = None
-        self.index_client = None
+        """SGLang's "flush cache": drops this deployment's namespace in kvsvc (every
+        tier; engines of other models or geometries keep theirs) and this backend's
+        presence index."""
+        try:
+            if not self._registered("clear"):
+                return
+            self.index = None
+            self.index_client = None
+            client = self.link.get()
+            if client is None:
+                log.warning("kvsvc: clear() while kvsvc is down: namespace %s kept", self.namespace)
+                return
+            r = client.drop_namespace(self.namespace, timeout=self.cfg.fence_timeout_s)
+            log.info(
+                "kvsvc: clear() dropped namespace %s (%d chunks)", self.namespace, r.dropped_chunks
+            )
+        except Exception as exc:  # noqa: BLE001 - SGLang's flush must not see it
+            self._failed("clear (DropNamespace)", exc)
 
     def _timed(self, kind: str, pages: int, t0: float) -> None:
-        if self.metrics and pages and self.staging is not None:
-            gb = pages * self.staging.page_bytes / 1e9
+        if self.metrics and pages and self.pages is not None:
+            gb = pages * self.pages.page_bytes / 1e9
             self.batches[kind].append((pages, gb / max(time.perf_counter() - t0, 1e-9)))
 
     def get_stats(self) -> Any:
@@ -455,10 +662,31 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         return m
 
     def close(self) -> None:
+        self.closed = True
         self.link.close()
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        lanes, self.lanes = self.lanes, {}
+        for lane in lanes.values():
+            with lane.lock:
+                lane.staging.close()
+
+
+def _is_pointer(location: Any) -> bool:
+    return isinstance(location, int) and not isinstance(location, bool)
+
+
+def _sizes(sizes: Any, n: int) -> list[int]:
+    """SGLang passes one size per target, or one for all of them."""
+    if isinstance(sizes, int):
+        return [sizes] * n
+    if sizes is None or len(sizes) != n:
+        raise PagesUnavailable(f"{n} target pointers but sizes {sizes!r}")
+    return [int(s) for s in sizes]
+
+
+def _tensor_bytes(value: Any) -> bytes:
+    if not isinstance(value, torch.Tensor):
+        raise PagesUnavailable(f"a value of type {type(value).__name__}, not a tensor")
+    return bytes(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _setup_logging(level: str) -> None:
