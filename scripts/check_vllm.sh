@@ -9,8 +9,9 @@
 #      The tests' own small extras (TEST_EXTRAS: msgpack decodes vLLM's KV events,
 #      pytest-asyncio for pyproject's asyncio_mode) are installed each run too, so
 #      that adding one does not rebuild the 3.5 GB venv.
-#   2. installs vllm==0.33.0 --no-deps into $VENV/vllm-0.33 (kept while the pin holds)
-#      for test_versions.py and a second run of the engine-less tests under 0.33;
+#   2. installs vllm==0.33.0 and vllm==0.34.0 --no-deps into $VENV/vllm-0.33 and
+#      $VENV/vllm-0.34 (kept while the pins hold) for test_versions.py and runs of the
+#      engine-less tests under each;
 #   3. runs pytest on tests/e2e/vllm with KVSVC_VLLM_REQUIRED=1, which turns every
 #      skip into a failure (the main venv's pytest skips those tests: no vLLM), then
 #      benchmarks/vllm_tier.py at smoke size.
@@ -39,33 +40,46 @@ TEST_EXTRAS="msgpack pytest-asyncio"
 # shellcheck disable=SC2086
 "$VENV/bin/pip" install -q $TEST_EXTRAS
 
-# vLLM 0.33's wheel without its dependencies (vllm 0.33 pins torch 2.14), in a folder
-# of the venv, so it is cached and removed with it: test_versions.py puts it first on
-# PYTHONPATH (.venv-vllm's torch and packages serve its imports) to check kvsvc's
-# classes against 0.33's base classes (~11 s to install: one 336 MB wheel).
-NEXT_PIN="vllm==0.33.0"
-NEXT="$VENV/vllm-0.33"
-if [[ -f "$NEXT/.kvsvc-pin" && "$(cat "$NEXT/.kvsvc-pin")" == "$NEXT_PIN" ]]; then
-  echo "vllm: keeping $NEXT ($NEXT_PIN)"
-else
-  echo "vllm: installing $NEXT_PIN --no-deps into $NEXT"
-  t0=$SECONDS
-  rm -rf "$NEXT"
-  "$VENV/bin/pip" install -q --no-deps --target "$NEXT" "$NEXT_PIN"
-  echo "$NEXT_PIN" >"$NEXT/.kvsvc-pin"
-  echo "vllm: $NEXT_PIN installed in $((SECONDS - t0)) s"
-fi
-KVSVC_VLLM_033="$(cd "$NEXT" && pwd)"
-export KVSVC_VLLM_033
+# The newer vLLM wheels without their dependencies (0.33 pins torch 2.14; neither has
+# a CPU build), each in a folder of the venv, so they are cached and removed with it:
+# test_versions.py puts one first on PYTHONPATH (.venv-vllm's torch and packages serve
+# its imports) to check kvsvc's classes against its base classes (~15 s to install
+# each: one ~340 MB wheel).
+for pin in vllm==0.33.0 vllm==0.34.0; do
+  minor="${pin#vllm==}"
+  minor="${minor%.*}"
+  dir="$VENV/vllm-$minor"
+  if [[ -f "$dir/.kvsvc-pin" && "$(cat "$dir/.kvsvc-pin")" == "$pin" ]]; then
+    echo "vllm: keeping $dir ($pin)"
+  else
+    echo "vllm: installing $pin --no-deps into $dir"
+    t0=$SECONDS
+    rm -rf "$dir"
+    "$VENV/bin/pip" install -q --no-deps --target "$dir" "$pin"
+    echo "$pin" >"$dir/.kvsvc-pin"
+    echo "vllm: $pin installed in $((SECONDS - t0)) s"
+  fi
+done
+KVSVC_VLLM_033="$(cd "$VENV/vllm-0.33" && pwd)"
+KVSVC_VLLM_034="$(cd "$VENV/vllm-0.34" && pwd)"
+export KVSVC_VLLM_033 KVSVC_VLLM_034
+
+# The tests that need no engine: run again under each newer vLLM.
+ENGINE_FREE="tests/e2e/vllm/test_tier.py tests/e2e/vllm/test_secured.py
+tests/e2e/vllm/test_presence.py tests/e2e/vllm/test_model_identity.py"
 
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --timeout 900 tests/e2e/vllm "$@"
-# Under vLLM 0.33 too, what runs without an engine (0.33 has no CPU build): KvsvcTier
-# under 0.33's own tiering manager, and the connector's halves driven directly (~90 s).
-PYTHONPATH="$KVSVC_VLLM_033" KVSVC_VLLM_EXPECT=0.33 "$VENV/bin/python" -m pytest -q \
-  -p no:cacheprovider --timeout 900 tests/e2e/vllm/test_tier.py tests/e2e/vllm/test_secured.py \
-  tests/e2e/vllm/test_presence.py -k "not killed and not deadline"
+# Under vLLM 0.33 and 0.34 too, what runs without an engine (neither has a CPU
+# build): KvsvcTier under their own tiering manager, and the connector's halves
+# driven directly (~90 s each).
+for minor in 0.33 0.34; do
+  dir="$VENV/vllm-$minor"
+  # shellcheck disable=SC2086 # ENGINE_FREE: a list of paths
+  PYTHONPATH="$(cd "$dir" && pwd)" KVSVC_VLLM_EXPECT=$minor "$VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider --timeout 900 $ENGINE_FREE -k "not killed and not deadline"
+done
 # The offloading tier's per-call cost at smoke size, so the benchmark cannot rot (~15 s).
 "$VENV/bin/python" -m benchmarks.vllm_tier --smoke --out bench-results/vllm-smoke
 echo "vllm: done in $((SECONDS - start)) s"

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import inspect
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-import kvsvc.integrations.vllm.common  # noqa: F401 - the vLLM version gate, first
+from kvsvc.integrations.vllm.common import VLLM_VERSION  # the vLLM version gate, first
 
 from vllm.platforms import current_platform  # isort: skip
 from vllm.v1.kv_offload.base import (  # isort: skip
@@ -36,7 +37,11 @@ from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs  # isort: s
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # isort: skip
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # isort: skip
 
-__all__ = ["HostCopyWorker", "KvsvcOffloadingSpec"]
+__all__ = ["HOST_COPY_SEAM", "HostCopyWorker", "KvsvcOffloadingSpec"]
+
+#: HostCopyWorker's seam: vLLM 0.32-0.33 hand a worker the block specs it copies;
+#: 0.34 hands it device pointers (and has no CPU build on which this worker runs).
+HOST_COPY_SEAM = "src_spec" in inspect.signature(OffloadingWorker.submit_store).parameters
 
 
 class KvsvcOffloadingSpec(TieringOffloadingSpec):
@@ -47,6 +52,13 @@ class KvsvcOffloadingSpec(TieringOffloadingSpec):
             return super().get_worker(kv_caches)
         worker: OffloadingWorker | None = getattr(self, "_worker", None)  # vLLM's slot
         if worker is None:
+            if not HOST_COPY_SEAM:
+                raise RuntimeError(
+                    f"KvsvcOffloadingSpec on CPU needs vLLM's OffloadingWorker.submit_store"
+                    f"(job_id, src_spec, dst_spec) (vLLM 0.32-0.33); vLLM {VLLM_VERSION} "
+                    "passes device pointers instead. On CUDA or XPU, use vLLM's "
+                    "TieringOffloadingSpec with KvsvcTier"
+                )
             if self.config.canonical_layout:
                 raise ValueError("KvsvcOffloadingSpec on CPU: canonical_layout is not supported")
             # As TieringOffloadingSpec.create_worker: this worker's slot of each row.

@@ -88,7 +88,11 @@ def main() -> None:
 
     from kvsvc.integrations.vllm.common import KvsvcConnectorStats
     from kvsvc.integrations.vllm.connector import KvsvcConnector
-    from kvsvc.integrations.vllm.offload_spec import HostCopyWorker, KvsvcOffloadingSpec
+    from kvsvc.integrations.vllm.offload_spec import (
+        HOST_COPY_SEAM,
+        HostCopyWorker,
+        KvsvcOffloadingSpec,
+    )
     from kvsvc.integrations.vllm.tier import KvsvcTier
 
     pairs = [
@@ -108,6 +112,7 @@ def main() -> None:
         "classes": [check(o, b) for o, b in pairs]
         + [check(HostCopyWorker, OffloadingWorker, built_by_vllm=False)],  # our spec builds it
         "submit_load": str(inspect.signature(OffloadingWorker.submit_load)),
+        "host_copy_seam": HOST_COPY_SEAM,
     }
     if hooks["supports_sleep_mode"]:
         # As vLLM's VllmConfig asks when enable_sleep_mode is set: through its factory.
