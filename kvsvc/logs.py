@@ -1,6 +1,9 @@
 """Logging: text or one JSON object per line, each record carrying the id of the
 request it belongs to (set by the RPC wrapper), so a RemoteError's request_id
-finds its traceback."""
+finds its traceback, and the structured fields a record was given (``FIELDS``,
+through logging's ``extra``): their own keys in JSON, ``key=value`` after the
+message in text, so a log pipeline filters by reason or tenant without parsing
+messages."""
 
 from __future__ import annotations
 
@@ -12,6 +15,21 @@ from datetime import datetime, timezone
 
 #: The request being handled in the current task; "" outside a request.
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvsvc_request_id", default="")
+
+
+#: The fields a record may carry beside its message (logging's ``extra``): the RPC,
+#: the error's reason, the caller's tenant, the namespace concerned, the call's
+#: duration in milliseconds. Never a token or a key's bytes.
+FIELDS = ("rpc", "reason", "tenant", "namespace", "duration_ms")
+
+
+def _fields(record: logging.LogRecord) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name in FIELDS:
+        value = getattr(record, name, None)
+        if value is not None and value != "":
+            out[name] = value
+    return out
 
 
 class _RequestIdFilter(logging.Filter):
@@ -29,7 +47,7 @@ def iso_time(created: float) -> str:
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        out: dict[str, object] = {
             "ts": iso_time(record.created),
             "level": record.levelname,
             "logger": record.name,
@@ -38,9 +56,24 @@ class _JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", "")
         if request_id:
             out["request_id"] = request_id
+        out.update(_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
+
+
+class _TextFormatter(logging.Formatter):
+    """The classic line, then each structured field as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        fields = _fields(record)
+        if not fields:
+            return line
+        return line + " " + " ".join(f"{k}={v}" for k, v in fields.items())
 
 
 class ClientGoneFilter(logging.Filter):
@@ -76,5 +109,5 @@ def setup_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

@@ -63,7 +63,10 @@ class BoundedLog:
     def warning(self, msg: str, *args: object) -> None:
         self.log(logging.WARNING, msg, *args)
 
-    def log(self, level: int, msg: str, *args: object) -> None:
+    def log(
+        self, level: int, msg: str, *args: object, extra: dict[str, object] | None = None
+    ) -> None:
+        """``extra``: the line's structured fields (kvsvc.logs.FIELDS)."""
         if not self.logger.isEnabledFor(level):
             return
         now = time.monotonic()
@@ -77,7 +80,7 @@ class BoundedLog:
             held, self._held = self._held, 0
         if held:
             msg += f" ({held} more such messages not logged since the last one)"
-        self.logger.log(level, msg, *args)
+        self.logger.log(level, msg, *args, extra=extra)
 
 
 MALFORMED_LOG_INTERVAL_S = 10.0

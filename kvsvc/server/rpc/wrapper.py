@@ -157,7 +157,7 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
                 log.info("%s %s cancelled by the client", name, call.request_id)
                 raise
             except BaseException as exc:  # noqa: BLE001 - the contract: every failure gets a reply
-                response = _error(self, name, call, exc, response_cls)
+                response = _error(self, name, call, exc, response_cls, monotonic() - started)
                 outcome = response.error.reason
                 return response
             finally:
@@ -237,7 +237,13 @@ class Tracebacks:
         #: signature -> (request id whose log line holds the traceback, when logged)
         self._seen: dict[tuple[Any, ...], tuple[str, float]] = {}
 
-    def error(self, name: str, request_id: str, exc: BaseException) -> None:
+    def error(
+        self,
+        name: str,
+        request_id: str,
+        exc: BaseException,
+        fields: dict[str, object] | None = None,
+    ) -> None:
         sig = _signature(exc)
         now = monotonic()
         seen = self._seen.get(sig)
@@ -246,13 +252,14 @@ class Tracebacks:
                 logging.ERROR,
                 "%s %s failed: %s: %s (traceback as logged for request %s)",
                 name, request_id, type(exc).__name__, exc, seen[0],
+                extra=fields,
             )  # fmt: skip
             return
         if seen is None and len(self._seen) >= TRACEBACK_KINDS:
             del self._seen[next(iter(self._seen))]  # the first logged of those kept
         self._seen.pop(sig, None)
         self._seen[sig] = (request_id, now)
-        self.logger.error("%s %s failed", name, request_id, exc_info=exc)
+        self.logger.error("%s %s failed", name, request_id, exc_info=exc, extra=fields)
 
 
 def _signature(exc: BaseException, depth: int = 0) -> tuple[Any, ...]:
@@ -274,17 +281,25 @@ _request_errors = BoundedLog(log, 1.0, ERROR_LINES_PER_S)
 
 
 def _error(
-    served: Served, name: str, call: Call, exc: BaseException, response_cls: type[Any]
+    served: Served,
+    name: str,
+    call: Call,
+    exc: BaseException,
+    response_cls: type[Any],
+    elapsed: float,
 ) -> Any:
-    if isinstance(exc, KVServiceError) and not exc.fatal:
-        _request_errors.log(logging.INFO, "%s %s failed: %s", name, call.request_id, exc)
-    else:  # the traceback stays here, found by the request id
-        _tracebacks.error(name, call.request_id, exc)
     # In a transfer RPC the engine has returned or raised by now, so no copy of
     # this call still runs: the state is FINISHED, or NOT_STARTED if none began.
     state = (FINISHED if call.started else NOT_STARTED) if call.transfer else NO_TRANSFER
     response = response_cls()
     envelope = to_remote_error(exc, call.request_id, state, into=response.error)
+    fields = _log_fields(name, call, envelope, elapsed)
+    if isinstance(exc, KVServiceError) and not exc.fatal:
+        _request_errors.log(
+            logging.INFO, "%s %s failed: %s", name, call.request_id, exc, extra=fields
+        )
+    else:  # the traceback stays here, found by the request id
+        _tracebacks.error(name, call.request_id, exc, fields)
     if getattr(exc, "fatal", False) or not isinstance(exc, Exception):
         served.fatal(
             exc
@@ -292,3 +307,15 @@ def _error(
             else FatalServerError(envelope.message, reason=envelope.reason)
         )
     return response
+
+
+def _log_fields(name: str, call: Call, envelope: Any, elapsed: float) -> dict[str, object]:
+    """The failed call's structured log fields (kvsvc.logs.FIELDS): a denial names
+    the tenant and the namespace it was refused (never the token)."""
+    return {
+        "rpc": name,
+        "reason": envelope.reason,
+        "tenant": call.tenant.name,
+        "namespace": envelope.metadata.get("namespace", ""),
+        "duration_ms": round(elapsed * 1000, 3),
+    }

@@ -334,7 +334,13 @@ class Authenticator:
 
     def refuse(self, why: str, peer: str) -> None:
         self.on_failure(why)
-        self.failures.warning("unauthenticated call from %s refused (%s)", peer, why)
+        self.failures.log(
+            logging.WARNING,
+            "unauthenticated call from %s refused (%s)",
+            peer,
+            why,
+            extra={"reason": "UNAUTHENTICATED"},
+        )
 
 
 def warn_if_exposed(path: str, flag: str, what: str = "a plaintext") -> bool:
