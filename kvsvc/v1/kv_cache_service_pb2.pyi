@@ -50,6 +50,52 @@ DTYPE_FLOAT8_E4M3FN: Dtype.ValueType  # 6
 DTYPE_FLOAT8_E5M2: Dtype.ValueType  # 7
 Global___Dtype: _TypeAlias = Dtype  # noqa: Y015
 
+class _ServerInfoView:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ServerInfoViewEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServerInfoView.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SERVER_INFO_VIEW_UNSPECIFIED: _ServerInfoView.ValueType  # 0
+    """The same as SERVER_INFO_VIEW_BASIC."""
+    SERVER_INFO_VIEW_BASIC: _ServerInfoView.ValueType  # 1
+    """Identity, capacity, usage and health: the fields before `stats`."""
+    SERVER_INFO_VIEW_FULL: _ServerInfoView.ValueType  # 2
+    """BASIC and `stats`."""
+
+class ServerInfoView(_ServerInfoView, metaclass=_ServerInfoViewEnumTypeWrapper):
+    """How much GetServerInfo says (AIP-157's view)."""
+
+SERVER_INFO_VIEW_UNSPECIFIED: ServerInfoView.ValueType  # 0
+"""The same as SERVER_INFO_VIEW_BASIC."""
+SERVER_INFO_VIEW_BASIC: ServerInfoView.ValueType  # 1
+"""Identity, capacity, usage and health: the fields before `stats`."""
+SERVER_INFO_VIEW_FULL: ServerInfoView.ValueType  # 2
+"""BASIC and `stats`."""
+Global___ServerInfoView: _TypeAlias = ServerInfoView  # noqa: Y015
+
+class _CopyLoopKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CopyLoopKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CopyLoopKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COPY_LOOP_KIND_UNSPECIFIED: _CopyLoopKind.ValueType  # 0
+    COPY_LOOP_KIND_NATIVE: _CopyLoopKind.ValueType  # 1
+    """The compiled loop (kvsvc/server/data/native): one GIL-free call per task."""
+    COPY_LOOP_KIND_PYTHON: _CopyLoopKind.ValueType  # 2
+    """The same work in Python (no compiled loop could be loaded)."""
+
+class CopyLoopKind(_CopyLoopKind, metaclass=_CopyLoopKindEnumTypeWrapper):
+    """Which loop copies bytes and checks their CRC-32C."""
+
+COPY_LOOP_KIND_UNSPECIFIED: CopyLoopKind.ValueType  # 0
+COPY_LOOP_KIND_NATIVE: CopyLoopKind.ValueType  # 1
+"""The compiled loop (kvsvc/server/data/native): one GIL-free call per task."""
+COPY_LOOP_KIND_PYTHON: CopyLoopKind.ValueType  # 2
+"""The same work in Python (no compiled loop could be loaded)."""
+Global___CopyLoopKind: _TypeAlias = CopyLoopKind  # noqa: Y015
+
 class _Tier:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1071,16 +1117,22 @@ class GetServerInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
+    view: Global___ServerInfoView.ValueType
+    """How much to say: unset or BASIC is the cheap reply clients probe with; FULL
+    adds `stats` (what `kvsvc stats` shows).
+    """
     @_builtins.property
     def header(self) -> Global___RequestHeader: ...
     def __init__(
         self,
         *,
         header: Global___RequestHeader | None = ...,
+        view: Global___ServerInfoView.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1105,6 +1157,7 @@ class GetServerInfoResult(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     FD_SOCKET_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     envelope_version: _builtins.int
     server_start_id: _builtins.str
@@ -1128,6 +1181,10 @@ class GetServerInfoResult(_message.Message):
     def failure_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def stats(self) -> Global___ServerStats:
+        """Set only for SERVER_INFO_VIEW_FULL."""
+
     def __init__(
         self,
         *,
@@ -1146,14 +1203,406 @@ class GetServerInfoResult(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         device: _builtins.str = ...,
         fd_socket: _builtins.str = ...,
+        stats: Global___ServerStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["failure_time", b"failure_time", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure_time", b"failure_time", "start_time", b"start_time", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "device", b"device", "envelope_version", b"envelope_version", "evicted_chunks", b"evicted_chunks", "failure_reason", b"failure_reason", "failure_time", b"failure_time", "fd_socket", b"fd_socket", "inflight_transfers", b"inflight_transfers", "mappings", b"mappings", "server_start_id", b"server_start_id", "serving", b"serving", "start_time", b"start_time", "stored_chunks", b"stored_chunks", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "device", b"device", "envelope_version", b"envelope_version", "evicted_chunks", b"evicted_chunks", "failure_reason", b"failure_reason", "failure_time", b"failure_time", "fd_socket", b"fd_socket", "inflight_transfers", b"inflight_transfers", "mappings", b"mappings", "server_start_id", b"server_start_id", "serving", b"serving", "start_time", b"start_time", "stats", b"stats", "stored_chunks", b"stored_chunks", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResult: _TypeAlias = GetServerInfoResult  # noqa: Y015
+
+@_typing.final
+class ServerStats(_message.Message):
+    """What the server did since it started, tier by tier, and how it is set up: the
+    operator's view (`kvsvc stats`). Counters count from the start (`start_time`);
+    a rate is the difference of two replies over their `taken` times.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    LOOKUPS_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    COPY_LOOP_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    TAKEN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]:
+        """Memory first, then the tiers below it in the order they are asked."""
+
+    @_builtins.property
+    def lookups(self) -> Global___LookupStats: ...
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantUsage]:
+        """The caller's own tenant: a tenant sees no other tenant's name or usage (the
+        server's totals include them).
+        """
+
+    @_builtins.property
+    def events(self) -> Global___EventStreamStats: ...
+    @_builtins.property
+    def copy_loop(self) -> Global___CopyLoop: ...
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigSetting]:
+        """Every setting of `kvsvc serve` in force, in the order `--help` lists them."""
+
+    @_builtins.property
+    def taken(self) -> _timestamp_pb2.Timestamp:
+        """When these figures were read."""
+
+    def __init__(
+        self,
+        *,
+        tiers: _abc.Iterable[Global___TierStats] | None = ...,
+        lookups: Global___LookupStats | None = ...,
+        tenants: _abc.Iterable[Global___TenantUsage] | None = ...,
+        events: Global___EventStreamStats | None = ...,
+        copy_loop: Global___CopyLoop | None = ...,
+        settings: _abc.Iterable[Global___ConfigSetting] | None = ...,
+        taken: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["copy_loop", b"copy_loop", "events", b"events", "lookups", b"lookups", "taken", b"taken"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy_loop", b"copy_loop", "events", b"events", "lookups", b"lookups", "settings", b"settings", "taken", b"taken", "tenants", b"tenants", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServerStats: _TypeAlias = ServerStats  # noqa: Y015
+
+@_typing.final
+class TierStats(_message.Message):
+    """One tier: "memory" (the chunk store), "disk" or "redis"."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RemovedChunksEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SkippedWritesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    WRITING_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    LOOKUP_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    RETRIEVE_ASKED_CHUNKS_FIELD_NUMBER: _builtins.int
+    RETRIEVE_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    READ_BYTES_FIELD_NUMBER: _builtins.int
+    WRITTEN_CHUNKS_FIELD_NUMBER: _builtins.int
+    WRITTEN_BYTES_FIELD_NUMBER: _builtins.int
+    QUEUED_BYTES_FIELD_NUMBER: _builtins.int
+    REMOVED_CHUNKS_FIELD_NUMBER: _builtins.int
+    SKIPPED_WRITES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    capacity_bytes: _builtins.int
+    """Bytes it may hold; 0 where the server cannot tell (Redis)."""
+    used_bytes: _builtins.int
+    """Bytes it holds; for Redis, bytes this server wrote there."""
+    chunks: _builtins.int
+    """Chunks it holds; for Redis, the keys this server announced as stored there."""
+    writing: _builtins.bool
+    """False while its writes are skipped (counted) until it heals."""
+    ready: _builtins.bool
+    """False while it cannot serve what it holds yet (the disk index rebuilding)."""
+    lookup_hit_chunks: _builtins.int
+    """Lookup: keys counted as present because this tier held them (memory is
+    asked first; a key is the first holder's).
+    """
+    retrieve_asked_chunks: _builtins.int
+    """Retrieve: chunks asked of this tier (those the tiers above it lacked) and
+    chunks it gave; their ratio is its hit rate.
+    """
+    retrieve_hit_chunks: _builtins.int
+    read_bytes: _builtins.int
+    """Bytes it gave to Retrieves (memory) or loaded back into memory (the others)."""
+    written_chunks: _builtins.int
+    """Chunks and bytes written into it (memory: committed by Stores)."""
+    written_bytes: _builtins.int
+    queued_bytes: _builtins.int
+    """Bytes waiting to be written into it (write-behind)."""
+    @_builtins.property
+    def removed_chunks(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Chunks that left it, by reason (memory: evicted, check_failed, dropped,
+        overwritten, ...; disk: evicted).
+        """
+
+    @_builtins.property
+    def skipped_writes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Chunks not written into it, by reason (disk: full, queue, capacity,
+        read_only, permission, io, replaced; redis: queue, unavailable, closing).
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        capacity_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        chunks: _builtins.int = ...,
+        writing: _builtins.bool = ...,
+        ready: _builtins.bool = ...,
+        lookup_hit_chunks: _builtins.int = ...,
+        retrieve_asked_chunks: _builtins.int = ...,
+        retrieve_hit_chunks: _builtins.int = ...,
+        read_bytes: _builtins.int = ...,
+        written_chunks: _builtins.int = ...,
+        written_bytes: _builtins.int = ...,
+        queued_bytes: _builtins.int = ...,
+        removed_chunks: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        skipped_writes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "chunks", b"chunks", "lookup_hit_chunks", b"lookup_hit_chunks", "name", b"name", "queued_bytes", b"queued_bytes", "read_bytes", b"read_bytes", "ready", b"ready", "removed_chunks", b"removed_chunks", "retrieve_asked_chunks", b"retrieve_asked_chunks", "retrieve_hit_chunks", b"retrieve_hit_chunks", "skipped_writes", b"skipped_writes", "used_bytes", b"used_bytes", "writing", b"writing", "written_bytes", b"written_bytes", "written_chunks", b"written_chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierStats: _TypeAlias = TierStats  # noqa: Y015
+
+@_typing.final
+class LookupStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    ASKED_CHUNKS_FIELD_NUMBER: _builtins.int
+    HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    requests: _builtins.int
+    asked_chunks: _builtins.int
+    """Keys asked, and those counted present (the leading run); hit rate = hit / asked."""
+    hit_chunks: _builtins.int
+    def __init__(
+        self,
+        *,
+        requests: _builtins.int = ...,
+        asked_chunks: _builtins.int = ...,
+        hit_chunks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asked_chunks", b"asked_chunks", "hit_chunks", b"hit_chunks", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupStats: _TypeAlias = LookupStats  # noqa: Y015
+
+@_typing.final
+class TenantUsage(_message.Message):
+    """One tenant's usage against its quota (the tenant file's "quota")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class QuotaRefusalsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    SHARE_BYTES_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    MAPPINGS_FIELD_NUMBER: _builtins.int
+    MAX_MAPPINGS_FIELD_NUMBER: _builtins.int
+    INFLIGHT_TRANSFERS_FIELD_NUMBER: _builtins.int
+    MAX_INFLIGHT_FIELD_NUMBER: _builtins.int
+    QUOTA_REFUSALS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    used_bytes: _builtins.int
+    """Bytes of the store its chunks hold."""
+    share_bytes: _builtins.int
+    """Its store_share of the store, in bytes: beyond it eviction takes from it
+    first (equal to the capacity without a share).
+    """
+    namespaces: _builtins.int
+    """Namespaces holding chunks in memory."""
+    mappings: _builtins.int
+    max_mappings: _builtins.int
+    """0: no per-tenant limit."""
+    inflight_transfers: _builtins.int
+    max_inflight: _builtins.int
+    @_builtins.property
+    def quota_refusals(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Calls refused TENANT_QUOTA_EXCEEDED since start, by quota (max_mappings,
+        max_inflight, max_fds).
+        """
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        used_bytes: _builtins.int = ...,
+        share_bytes: _builtins.int = ...,
+        namespaces: _builtins.int = ...,
+        mappings: _builtins.int = ...,
+        max_mappings: _builtins.int = ...,
+        inflight_transfers: _builtins.int = ...,
+        max_inflight: _builtins.int = ...,
+        quota_refusals: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight_transfers", b"inflight_transfers", "mappings", b"mappings", "max_inflight", b"max_inflight", "max_mappings", b"max_mappings", "namespaces", b"namespaces", "quota_refusals", b"quota_refusals", "share_bytes", b"share_bytes", "tenant", b"tenant", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantUsage: _TypeAlias = TenantUsage  # noqa: Y015
+
+@_typing.final
+class EventStreamStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WATCHERS_FIELD_NUMBER: _builtins.int
+    PUBLISHED_EVENTS_FIELD_NUMBER: _builtins.int
+    RESYNCS_FIELD_NUMBER: _builtins.int
+    RING_EVENTS_FIELD_NUMBER: _builtins.int
+    RING_BYTES_FIELD_NUMBER: _builtins.int
+    LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
+    MAX_LAG_EVENTS_FIELD_NUMBER: _builtins.int
+    RESYNCING_WATCHERS_FIELD_NUMBER: _builtins.int
+    watchers: _builtins.int
+    """WatchEvents streams open."""
+    published_events: _builtins.int
+    resyncs: _builtins.int
+    """Lost batches sent: watchers that resynced from a snapshot."""
+    ring_events: _builtins.int
+    """Events the ring keeps for watchers to resume from, and their bytes."""
+    ring_bytes: _builtins.int
+    last_sequence: _builtins.int
+    """Sequence of the newest event."""
+    max_lag_events: _builtins.int
+    """Events published that the furthest-behind watcher has not been sent yet."""
+    resyncing_watchers: _builtins.int
+    """Watchers being sent a snapshot now."""
+    def __init__(
+        self,
+        *,
+        watchers: _builtins.int = ...,
+        published_events: _builtins.int = ...,
+        resyncs: _builtins.int = ...,
+        ring_events: _builtins.int = ...,
+        ring_bytes: _builtins.int = ...,
+        last_sequence: _builtins.int = ...,
+        max_lag_events: _builtins.int = ...,
+        resyncing_watchers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_sequence", b"last_sequence", "max_lag_events", b"max_lag_events", "published_events", b"published_events", "resyncing_watchers", b"resyncing_watchers", "resyncs", b"resyncs", "ring_bytes", b"ring_bytes", "ring_events", b"ring_events", "watchers", b"watchers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventStreamStats: _TypeAlias = EventStreamStats  # noqa: Y015
+
+@_typing.final
+class CopyLoop(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    kind: Global___CopyLoopKind.ValueType
+    reason: _builtins.str
+    """Why this loop: what was loaded and what it uses, or why none was."""
+    def __init__(
+        self,
+        *,
+        kind: Global___CopyLoopKind.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopyLoop: _TypeAlias = CopyLoop  # noqa: Y015
+
+@_typing.final
+class ConfigSetting(_message.Message):
+    """One setting of `kvsvc serve` as the server runs with it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    IS_DEFAULT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The flag without its dashes, e.g. "store_bytes" (--store-bytes)."""
+    group: _builtins.str
+    """Its group, e.g. "data" (Data plane)."""
+    value: _builtins.str
+    """As --help writes it (1G, on, none); a secret is replaced by "<redacted>"."""
+    is_default: _builtins.bool
+    """Whether it is the default."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        group: _builtins.str = ...,
+        value: _builtins.str = ...,
+        is_default: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "is_default", b"is_default", "name", b"name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigSetting: _TypeAlias = ConfigSetting  # noqa: Y015
 
 @_typing.final
 class GetServerInfoResponse(_message.Message):
