@@ -15,6 +15,9 @@ __all__ = ["VllmConnectorConfig", "read_token", "salt_namespace"]
 #: the salt into its block hashes)
 SALT_HASH_CHARS = 16
 
+#: vLLM's media for KV held outside the GPU (vllm/v1/kv_offload/base.py Medium)
+KV_EVENTS_MEDIA = ("CPU", "STORAGE")
+
 
 @dataclass(frozen=True)
 class VllmConnectorConfig(ConnectionSettings):
@@ -24,13 +27,23 @@ class VllmConnectorConfig(ConnectionSettings):
 
     namespace: str = "vllm"
     blocks_per_chunk: int = 1
-    # The ``medium`` of the vLLM KV events that publish what kvsvc holds (only when
-    # vLLM's kv_events_config enables events).
-    kv_events_medium: str = "kvsvc"
+    # The ``medium`` of the vLLM KV events that publish this engine's blocks in
+    # kvsvc (only when vLLM's kv_events_config enables events): one of vLLM's
+    # offloading media (KV_EVENTS_MEDIA), as routers know them; "STORAGE" where
+    # kvsvc keeps the deployment's chunks on disk.
+    kv_events_medium: str = "CPU"
     # A request with a ``cache_salt`` keeps its chunks in a namespace of its own,
     # ``<namespace>/salt-<hash>`` (salt_namespace): an eviction share of its own
     # (kvsvc's --namespace-share) and one DropNamespace to delete them.
     salt_namespaces: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_events_medium not in KV_EVENTS_MEDIA:
+            raise ValueError(
+                f"kv_events_medium {self.kv_events_medium!r} is not one of vLLM's "
+                f"offloading media {KV_EVENTS_MEDIA}"
+            )
 
     @classmethod
     def parse(

@@ -66,6 +66,10 @@ def _guarded(default: Callable[..., T]) -> Callable[[Callable[..., T]], Callable
     return wrap
 
 
+#: what a failed ``get_num_new_matched_tokens`` answers: nothing to load
+_MISS: tuple[int | None, bool] = (0, False)
+
+
 class KvsvcConnector(KVConnectorBase_V1):
     """kvsvc behind vLLM's KV connector API; see the module docstring."""
 
@@ -93,10 +97,12 @@ class KvsvcConnector(KVConnectorBase_V1):
             self.counters = self.worker.counters
 
     # --- scheduler side ---
-    @_guarded(lambda self, *a: (0, False))
+    @_guarded(lambda self, *a: _MISS)
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """From the presence index, or a Lookup's answer once it ended; None ("ask
+        again next step") while a Lookup runs off this thread."""
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 

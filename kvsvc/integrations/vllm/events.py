@@ -1,7 +1,16 @@
 """What kvsvc holds of this deployment, published as vLLM KV events: vLLM's
 scheduler appends ``connector.take_events()`` to every ``KVEventBatch`` it
 publishes, so a router that follows vLLM's KV-events publisher (llm-d, Dynamo)
-sees kvsvc's blocks beside vLLM's own (``medium`` tells them apart).
+sees kvsvc's blocks beside vLLM's own, in the form vLLM's offloading tiers use:
+``medium`` one of vLLM's (``CPU`` or ``STORAGE``), ``locality`` ``LOCAL`` (kvsvc
+serves this node's engines) and ``ownership`` ``kvsvc`` (the tier, as vLLM's
+secondary tiers name theirs).
+
+A router sends a request to the engine whose events announce its blocks, so an
+engine announces only blocks it can load: with ``claim`` (the connector), only
+chunks this engine itself planned to store, once kvsvc holds them; the
+deployment's other engines announce theirs. Removals are announced for every
+block announced.
 
 Driven by the presence index's stream: the index's listener only notes which
 chunk hashes an applied batch touched (cheap, on the index's thread); each
@@ -29,6 +38,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +48,10 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from kvsvc.integrations.vllm.common import chunk_key
 
 _RANK_PREFIX = re.compile(rb"tp(\d+):")
+
+#: chunks claimed and not yet announced, at most (the oldest are forgotten: a
+#: store that never landed must not hold memory for ever)
+MAX_CLAIMED = 1 << 18
 
 Probe = Callable[[Sequence[bytes]], "list[bool] | None"]
 
@@ -61,10 +75,17 @@ class KvsvcKVEvents:
         withdraw_after_s: float,
         *,
         whole_keys: bool = False,
+        locality: str | None = None,
+        ownership: str | None = None,
+        claimed_only: bool = False,
     ) -> None:
         """``whole_keys``: the namespace's keys are announced as they are, one key a
-        chunk (the offloading tier's OffloadKeys) instead of ``tp`` connector keys."""
+        chunk (the offloading tier's OffloadKeys) instead of ``tp`` connector keys.
+        ``claimed_only``: a chunk is announced only once ``claim`` named it."""
         self.namespace = namespace
+        self.locality = locality
+        self.ownership = ownership
+        self.claimed: OrderedDict[bytes, None] | None = OrderedDict() if claimed_only else None
         self.tp = 1 if whole_keys else tp
         self.whole_keys = whole_keys
         self.medium = medium
@@ -75,6 +96,16 @@ class KvsvcKVEvents:
         self.announced: set[bytes] = set()
         self.unknown_since: float | None = None
         self.counters = {"kv_events_stored": 0, "kv_events_removed": 0}
+
+    def claim(self, hashes: Sequence[bytes]) -> None:
+        """Chunks this engine stores (``claimed_only``): announced once kvsvc holds
+        them. Called on the scheduler's thread, as ``take``."""
+        if self.claimed is None:
+            return
+        for h in hashes:
+            self.claimed[h] = None
+        while len(self.claimed) > MAX_CLAIMED:
+            self.claimed.popitem(last=False)
 
     # --- the index's listener (its own thread): note, never probe ---
     def on_batch(self, batch: Any) -> None:
@@ -125,6 +156,8 @@ class KvsvcKVEvents:
             recheck, self.recheck_all = self.recheck_all, False
         if recheck:
             touched |= self.announced
+        if self.claimed is not None:
+            touched = {h for h in touched if h in self.claimed or h in self.announced}
         if not touched:
             return [], []
         order = sorted(touched)
@@ -143,6 +176,8 @@ class KvsvcKVEvents:
             here = all(present[i * self.tp : (i + 1) * self.tp])
             if here and h not in self.announced:
                 self.announced.add(h)
+                if self.claimed is not None:
+                    self.claimed.pop(h, None)
                 stored.append(h)
             elif not here and h in self.announced:
                 self.announced.discard(h)
@@ -158,6 +193,8 @@ class KvsvcKVEvents:
                     block_hashes=[maybe_convert_block_hash(h) for h in removed],
                     medium=self.medium,
                     group_idx=0,
+                    locality=self.locality,
+                    ownership=self.ownership,
                 )
             )
         if stored:
@@ -175,6 +212,8 @@ class KvsvcKVEvents:
                     medium=self.medium,
                     lora_name=None,
                     group_idx=0,
+                    locality=self.locality,
+                    ownership=self.ownership,
                 )
                 for h in stored
             )

@@ -1,12 +1,25 @@
-"""vLLM's KV cache as a kvsvc region (worker side). On CPU, vLLM's cache is one
-allocation viewed per layer; at ``register_kv_caches`` its memory is moved into a
-sealed memfd (no copy: the cache is still zero) that the server maps once. On CUDA
-the tensors are described by their IPC handles. Either way Retrieve and Store then
-copy straight between vLLM's blocks and the store."""
+"""vLLM's KV cache as a kvsvc region (worker side).
+
+On CPU, vLLM's cache is one zeroed allocation viewed per layer. At
+``register_kv_caches`` a sealed memfd is mapped over the pages of that
+allocation (``mmap(MAP_FIXED | MAP_SHARED)``, an OS call on this process's own
+address space): every pointer into the cache stays valid, whoever holds it, and
+the server maps the same memfd. No torch internals are touched. The bytes of the
+first and last page that lie outside vLLM's tensor (the allocator's own) are
+copied into the memfd first, so they keep their values.
+
+Where the cache cannot be mapped over (it shares its pages' mapping with
+something that is not anonymous memory, or the mmap fails), the region is a
+mirror instead: a memfd of the same layout that the server maps, and each
+transfer copies its blocks between vLLM's tensors and the mirror on the worker
+(``Staging``): slower, never a dropped transfer. On CUDA the tensors are
+described by their IPC handles."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,6 +31,29 @@ from kvsvc.integrations.vllm.common import log
 from kvsvc.layout import dtype_code
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class Staging:
+    """The mirror's views beside vLLM's: ``to_mirror`` before a Store reads the
+    mirror, ``from_mirror`` after a Retrieve wrote it."""
+
+    vllm: list[torch.Tensor]
+    mirror: list[torch.Tensor]
+    block_dim: int
+
+    def _copy(self, src: list[torch.Tensor], dst: list[torch.Tensor], blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for s, d in zip(src, dst, strict=True):
+            d.index_copy_(self.block_dim, idx, s.index_select(self.block_dim, idx))
+
+    def to_mirror(self, blocks: list[int]) -> None:
+        self._copy(self.vllm, self.mirror, blocks)
+
+    def from_mirror(self, blocks: list[int]) -> None:
+        self._copy(self.mirror, self.vllm, blocks)
+
 
 @dataclass
 class KvRegion:
@@ -25,13 +61,14 @@ class KvRegion:
 
     region: pb.RankRegion
     fd: int = -1  # the memfd to pass to the server (CPU); -1: none (CUDA IPC)
-    mm: mmap.mmap | None = None  # vLLM's KV cache now: never closed while it runs
+    mm: mmap.mmap | None = None  # the mirror's mapping (staging only): never closed
+    staging: Staging | None = None  # None: the server reads and writes vLLM's memory
 
 
 def describe_kv_caches(
     kv_caches: dict[str, torch.Tensor], num_blocks: int, rank: int, tp: int
 ) -> KvRegion:
-    """The region of vLLM's KV tensors (moved into a memfd first on CPU)."""
+    """The region of vLLM's KV tensors: mapped over in place on CPU, else a mirror."""
     tensors = list(kv_caches.values())
     dim = block_dim(tensors[0], num_blocks)
     if tensors[0].is_cuda:
@@ -40,28 +77,35 @@ def describe_kv_caches(
         return KvRegion(
             describe_cuda_tensors(tensors, block_dim=dim, context=rank_context(rank, tp))
         )
-    return memfd_region(tensors, dim, rank, tp)
-
-
-def memfd_region(tensors: list[torch.Tensor], block_dim: int, rank: int, tp: int) -> KvRegion:
-    """Move the one storage all layers view into a sealed memfd, in place:
-    every view, whoever holds it, then points into memory the server maps.
-    The region is described first, so nothing can fail once vLLM's memory moved
-    (a view's offset in its storage does not change with the move)."""
     storage = tensors[0].untyped_storage()
     base = storage.data_ptr()
     if any(t.untyped_storage().data_ptr() != base for t in tensors):
         raise RuntimeError("the KV tensors do not share one storage (a newer vLLM?)")
-    nbytes = storage.nbytes()
-    region = pb.RankRegion(
+    try:
+        return mapped_region(tensors, dim, rank, tp)
+    except OSError as exc:
+        log.warning(
+            "kvsvc: vLLM's KV cache cannot be mapped in place (%s); each transfer copies "
+            "its blocks through a mirror memfd instead (slower, and the cache's size again "
+            "in memory)",
+            exc,
+        )
+        return mirror_region(tensors, dim, rank, tp)
+
+
+def _region(
+    tensors: list[torch.Tensor], block_dim: int, rank: int, tp: int, origin: int, size: int
+) -> pb.RankRegion:
+    """Each tensor at its offset from ``origin`` in a memfd of ``size`` bytes."""
+    return pb.RankRegion(
         context=rank_context(rank, tp),
         tensors=[
             pb.KVTensor(
                 name=f"layer.{i}",
                 handle=pb.MemoryHandle(
-                    sealed_memfd=pb.SealedMemfdHandle(token="", size_bytes=nbytes)
+                    sealed_memfd=pb.SealedMemfdHandle(token="", size_bytes=size)
                 ),
-                offset_bytes=t.data_ptr() - base,
+                offset_bytes=t.data_ptr() - origin,
                 shape=list(t.shape),
                 strides=list(t.stride()),
                 dtype=dtype_code(str(t.dtype)),  # type: ignore[arg-type]
@@ -70,23 +114,93 @@ def memfd_region(tensors: list[torch.Tensor], block_dim: int, rank: int, tp: int
             for i, t in enumerate(tensors)
         ],
     )
+
+
+def mapped_region(tensors: list[torch.Tensor], block_dim: int, rank: int, tp: int) -> KvRegion:
+    """Map a sealed memfd over the pages of the one storage all layers view; raises
+    OSError (nothing changed) when those pages are not plain anonymous memory."""
+    storage = tensors[0].untyped_storage()
+    base, nbytes = storage.data_ptr(), storage.nbytes()
+    start = base - base % PAGE
+    end = -(-(base + nbytes) // PAGE) * PAGE
+    check_anonymous(start, end)
+    region = _region(tensors, block_dim, rank, tp, start, end - start)
     t0 = time.perf_counter()
-    fd = make_sealed_memfd(f"kvsvc-vllm-tp{rank}", nbytes)
-    # Populated now, as vLLM's torch.zeros touched its allocation: otherwise each
-    # first write to a block faults its pages in on the request path.
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
-    fresh = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
-    # No copy: vLLM 0.32 registers its cache before anything writes it (zeros).
-    storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
-    del fresh  # holds vLLM's original allocation, freed now
+    fd = make_sealed_memfd(f"kvsvc-vllm-tp{rank}", end - start)
+    try:
+        # The allocator's bytes around vLLM's tensor, kept (vLLM's own are zeros).
+        os.pwrite(fd, ctypes.string_at(start, base - start), 0)
+        tail = end - (base + nbytes)
+        os.pwrite(fd, ctypes.string_at(base + nbytes, tail), base + nbytes - start)
+        map_fixed(start, end - start, fd)
+    except BaseException:
+        os.close(fd)
+        raise
     log.info(
-        "kvsvc: vLLM's KV cache (%d layers, %.1f MiB) moved into a sealed memfd in %.1f ms",
+        "kvsvc: vLLM's KV cache (%d layers, %.1f MiB) mapped over by a sealed memfd in %.1f ms",
         len(tensors),
         nbytes / (1 << 20),
         (time.perf_counter() - t0) * 1000,
     )
-    return KvRegion(region, fd, mm)
+    return KvRegion(region, fd)
+
+
+def mirror_region(tensors: list[torch.Tensor], block_dim: int, rank: int, tp: int) -> KvRegion:
+    """A memfd laid out as vLLM's storage, that transfers stage through."""
+    storage = tensors[0].untyped_storage()
+    base, nbytes = storage.data_ptr(), storage.nbytes()
+    fd = make_sealed_memfd(f"kvsvc-vllm-mirror-tp{rank}", nbytes)
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    # vLLM's views are of its int8 buffer viewed as their dtype: the same here.
+    mirror = [
+        raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()) for t in tensors
+    ]
+    region = _region(tensors, block_dim, rank, tp, base, nbytes)
+    return KvRegion(region, fd, mm, Staging(tensors, mirror, block_dim))
+
+
+def check_anonymous(start: int, end: int) -> None:
+    """[start, end) lies in one private anonymous mapping of this process (not the
+    heap, a stack or a file): mapping over it then affects no one else's memory
+    but the allocation's own bytes, which are copied."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= start < hi:
+                name = fields[5] if len(fields) > 5 else ""
+                if end > hi or name or fields[1] != "rw-p":
+                    raise OSError(
+                        f"the KV cache's pages [{start:#x}, {end:#x}) lie in mapping "
+                        f"{fields[0]} {fields[1]} {name or '(anonymous)'}"
+                    )
+                return
+    raise OSError(f"the KV cache's first page {start:#x} is in no mapping")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+MAP_FIXED = 0x10  # Linux (mman-common.h); Python's mmap module does not export it
+
+
+def map_fixed(addr: int, length: int, fd: int) -> None:
+    """``fd`` mapped shared at exactly ``addr`` (replacing the pages there),
+    populated now: vLLM's ``torch.zeros`` touched its pages, and a first write to
+    a block must not fault on the request path."""
+    flags = mmap.MAP_SHARED | MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap(MAP_FIXED) over the KV cache: {os.strerror(err)}")
 
 
 def block_dim(t: torch.Tensor, num_blocks: int) -> int:

@@ -1,23 +1,27 @@
 """The connector's scheduler half (vLLM's engine-core process): asks the presence
 index (hints.py: local memory, no RPC) which of a new request's chunks kvsvc holds,
-else kvsvc itself (one Lookup, bounded by ``lookup_timeout_s``; any error is a miss
-and kvsvc then counts as down for ``reconnect_interval_s``), plans
+else kvsvc itself: one Lookup on a thread of its own (bounded by
+``lookup_timeout_s``; any error is a miss and kvsvc then counts as down for
+``reconnect_interval_s``), vLLM being told "not yet" until it ends, so the
+scheduler's thread never waits on kvsvc. It then plans
 the loads of the matched chunks into the blocks vLLM allocated, plans a store for
 each prompt chunk a step completes, and keeps each request's blocks allocated
 while a store may still read them. Loads are asynchronous: a request waits in
 WAITING_FOR_REMOTE_KVS while its blocks load, so a Retrieve whose outcome is
 unknown can keep the blocks until a Fence proves the copy ended. Nothing here
 touches KV memory: the plans travel to the workers as ``KvsvcConnectorMetadata``.
-With vLLM's KV events on, ``take_events`` publishes what kvsvc holds (events.py).
+With vLLM's KV events on, ``take_events`` publishes the chunks this engine
+stored once kvsvc holds them, and their removal (events.py).
 With ``salt_namespaces``, a request with a ``cache_salt`` looks up and plans its
 chunks in its salt's namespace (config.salt_namespace; each Op names it for the
 workers); the presence index follows the deployment's namespace only, so a salted
-request asks kvsvc (Lookup) and its chunks are not published as KV events."""
+request asks kvsvc (Lookup, off the scheduler's thread as above)."""
 
 from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +38,11 @@ from kvsvc.integrations.vllm.config import VllmConnectorConfig, salt_namespace
 from kvsvc.integrations.vllm.events import KvsvcKVEvents
 from kvsvc.integrations.vllm.hints import Hints
 from kvsvc.integrations.vllm.link import Link
+
+#: the ``locality`` and ``ownership`` of the KV events of this engine's blocks in
+#: kvsvc: served from this node (shared memory), by the tier named kvsvc
+KV_EVENTS_LOCALITY = "LOCAL"
+KV_EVENTS_OWNERSHIP = "kvsvc"
 
 
 @dataclass
@@ -66,12 +75,22 @@ class KvsvcConnectorScheduler:
         # req id -> (first chunk to load, chunks to load), from the last lookup
         self.matched: dict[str, tuple[int, int]] = {}
         self.loads: list[Op] = []
+        # Lookups run here, never on vLLM's scheduler thread: until one ends, vLLM
+        # is told "not yet" (None) and asks again next step.
+        self.lookups = ThreadPoolExecutor(1, thread_name_prefix="kvsvc-lookup")
+        self.pending: dict[str, Future[tuple[int, float, Any]]] = {}
         self.lookup_seconds_max = 0.0
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.events: KvsvcKVEvents | None = None
         if kv_events is not None and kv_events.enable_kv_cache_events and cfg.presence:
             self.events = KvsvcKVEvents(
-                self.namespace, self.tp, cfg.kv_events_medium, cfg.reconnect_interval_s
+                self.namespace,
+                self.tp,
+                cfg.kv_events_medium,
+                cfg.reconnect_interval_s,
+                locality=KV_EVENTS_LOCALITY,
+                ownership=KV_EVENTS_OWNERSHIP,
+                claimed_only=True,
             )
         self.hints = Hints(cfg, self.namespace, self.events.on_batch if self.events else None)
         self.hints.open()  # now: it follows the stream while vLLM starts
@@ -99,7 +118,7 @@ class KvsvcConnectorScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         self.matched.pop(request.request_id, None)
         req = self.reqs.get(request.request_id)
         if req is not None and req.load_planned:
@@ -121,35 +140,50 @@ class KvsvcConnectorScheduler:
         hit_keys = self.hints.prefix_hits(keys) if namespace == self.namespace else None
         if hit_keys is not None:
             self._count("lookups_from_index")
-            return self._matched(request, num_computed_tokens, chunks, hit_keys, t0, "index")
+            took = time.monotonic() - t0
+            return self._matched(request, num_computed_tokens, chunks, hit_keys, took, "index")
+        pending = self.pending.get(request.request_id)
+        if pending is not None:
+            if not pending.done():
+                self._count("lookups_not_yet")
+                return None, False  # vLLM skips the request this step and asks again
+            del self.pending[request.request_id]
+            return self._looked_up(request, num_computed_tokens, chunks, pending.result())
         client = self.link.get()
         if client is None:
             self._count("lookups_skipped_down")
             return 0, False
-        try:
-            hit_keys = client.lookup(keys, namespace=namespace, timeout=self.cfg.lookup_timeout_s)
-        except KVServiceError as exc:
-            took = time.monotonic() - t0
-            self.lookup_seconds_max = max(self.lookup_seconds_max, took)
-            log.debug("kvsvc lookup %s: failed after %.1f ms", request.request_id, took * 1000)
-            self.link.failed()
-            self._count("lookup_errors")
-            self.warn.warning(
-                "kvsvc lookup failed (%s: %s): counted as a miss; kvsvc skipped for %.1f s",
-                type(exc).__name__,
-                exc.message,
-                self.cfg.reconnect_interval_s,
-            )
-            return 0, False
+        self.pending[request.request_id] = self.lookups.submit(
+            _lookup, client, keys, namespace, self.cfg.lookup_timeout_s
+        )
         self._count("lookups_rpc")
-        return self._matched(request, num_computed_tokens, chunks, hit_keys, t0, "rpc")
+        return None, False
+
+    def _looked_up(
+        self, request: Any, computed: int, chunks: int, outcome: tuple[int, float, Any]
+    ) -> tuple[int, bool]:
+        """vLLM's answer from a Lookup that ended: its hits, or a miss when it
+        failed (kvsvc then counts as down for ``reconnect_interval_s``)."""
+        hit_keys, took, exc = outcome
+        self.lookup_seconds_max = max(self.lookup_seconds_max, took)
+        if exc is None:
+            return self._matched(request, computed, chunks, hit_keys, took, "rpc")
+        log.debug("kvsvc lookup %s: failed after %.1f ms", request.request_id, took * 1000)
+        self.link.failed()
+        self._count("lookup_errors")
+        self.warn.warning(
+            "kvsvc lookup failed (%s: %s): counted as a miss; kvsvc skipped for %.1f s",
+            type(exc).__name__,
+            getattr(exc, "message", exc),
+            self.cfg.reconnect_interval_s,
+        )
+        return 0, False
 
     def _matched(
-        self, request: Any, computed: int, chunks: int, hit_keys: int, t0: float, source: str
+        self, request: Any, computed: int, chunks: int, hit_keys: int, took: float, source: str
     ) -> tuple[int, bool]:
         """vLLM's answer for ``hit_keys`` leading keys found (by the index or a Lookup)."""
         first = -(-computed // self.chunk_tokens)
-        took = time.monotonic() - t0
         self.lookup_seconds_max = max(self.lookup_seconds_max, took)
         hits = hit_keys // self.tp  # a chunk counts only when every rank's shard is there
         log.debug(
@@ -238,6 +272,8 @@ class KvsvcConnectorScheduler:
             ]
             req.next_chunk = ready
             req.had_store = True
+            if self.events is not None and not self._op(r, []).namespace:
+                self.events.claim([h for h, _ in chunks])
             ops.append(self._op(r, chunks))
             self._count("store_planned_chunks", len(chunks))
         return ops
@@ -245,6 +281,7 @@ class KvsvcConnectorScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """Blocks a store read stay allocated until every worker says it ended."""
         self.matched.pop(request.request_id, None)
+        self.pending.pop(request.request_id, None)
         req = self.reqs.pop(request.request_id, None)
         return (req is not None and req.had_store), None
 
@@ -260,6 +297,7 @@ class KvsvcConnectorScheduler:
         return out
 
     def shutdown(self) -> None:
+        self.lookups.shutdown(wait=False, cancel_futures=True)
         self.hints.close()
         log.info(
             "kvsvc connector (scheduler) counters: %s, slowest lookup %.1f ms",
@@ -267,6 +305,22 @@ class KvsvcConnectorScheduler:
             self.lookup_seconds_max * 1000,
         )
         self.link.close()
+
+
+def _lookup(
+    client: Any, keys: list[bytes], namespace: str, timeout: float
+) -> tuple[int, float, Any]:
+    """(leading keys found, seconds taken, None) or (0, seconds, the error): the
+    scheduler thread then reads it (counters and the link are its own)."""
+    t0 = time.monotonic()
+    try:
+        return (
+            client.lookup(keys, namespace=namespace, timeout=timeout),
+            time.monotonic() - t0,
+            None,
+        )
+    except KVServiceError as exc:
+        return 0, time.monotonic() - t0, exc
 
 
 def warn_no_reserved_core(vllm_config: Any) -> None:

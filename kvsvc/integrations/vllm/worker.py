@@ -31,8 +31,12 @@ from kvsvc.integrations.vllm.common import (
 )
 from kvsvc.integrations.vllm.config import VllmConnectorConfig
 from kvsvc.integrations.vllm.link import LINK_ERRORS, Link
-from kvsvc.integrations.vllm.region import describe_kv_caches
+from kvsvc.integrations.vllm.region import Staging, describe_kv_caches
 from kvsvc.v1 import kv_cache_service_pb2 as pb
+
+#: how long ``handle_preemptions`` waits for a preempted request's stores: well
+#: under a scheduler step (a store through shared memory takes ~1 ms)
+PREEMPT_WAIT_S = 0.005
 
 
 @dataclass
@@ -67,6 +71,7 @@ class KvsvcConnectorWorker:
         self.region: pb.RankRegion | None = None
         self.fd = -1
         self.mm: mmap.mmap | None = None
+        self.staging: Staging | None = None  # set: transfers copy through a mirror
         self.mapping: MappingHandle | None = None  # None: not usable now
         self.known: MappingHandle | None = None  # the last one made
         self.detached = False  # unregister_kv_caches: the KV memory is never used again
@@ -95,7 +100,7 @@ class KvsvcConnectorWorker:
     # --- registration ---
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kv = describe_kv_caches(kv_caches, self.num_blocks, self.rank, self.tp)
-        self.region, self.fd, self.mm = kv.region, kv.fd, kv.mm
+        self.region, self.fd, self.mm, self.staging = kv.region, kv.fd, kv.mm, kv.staging
         self.thread.start()
         self.wake.set()
 
@@ -184,25 +189,29 @@ class KvsvcConnectorWorker:
                 self.warn.warning("kvsvc store not started: %s: %s", type(exc).__name__, exc)
 
     def preempted(self, meta: KvsvcConnectorMetadata) -> None:
-        """vLLM frees a preempted request's blocks without asking: let its stores
-        end first (bounded by their own deadline)."""
+        """vLLM frees a preempted request's blocks without asking, and this step's
+        forward may write them. Only a store can touch them (a load's blocks
+        belong to a request waiting for it, which vLLM never preempts), and a store
+        only reads them: the hook waits at most ``PREEMPT_WAIT_S`` for those
+        stores, then goes on. A store still running may then have read bytes vLLM
+        rewrote: it is counted and logged (with a mirror every store read the
+        mirror, so none is at risk)."""
         with self.lock:
             busy = [t for t in self.transfers if t.kind == "store" and t.req_id in meta.preempted]
-        deadline = time.monotonic() + self.cfg.store_timeout_s
+        if not busy or self.staging is not None:
+            return
+        deadline = time.monotonic() + PREEMPT_WAIT_S
         for t in busy:
             with contextlib.suppress(Exception):
                 t.future.exception(timeout=max(0.0, deadline - time.monotonic()))
-        self._poll()
-        with self.lock:
-            left = [
-                t.req_id for t in self.transfers if t.kind == "store" and t.req_id in meta.preempted
-            ]
+        left = sorted({t.req_id for t in busy if not t.future.done()})
         if left:
-            self._count("preempted_unproven_stores", len(left))
-            log.error(
-                "kvsvc: requests %s were preempted while a store may still read their "
-                "blocks; those entries may hold KV rewritten meanwhile",
-                sorted(set(left)),
+            self._count("preempted_running_stores", len(left))
+            self.warn.warning(
+                "kvsvc: requests %s were preempted while a store still read their blocks "
+                "(waited %.0f ms); those entries may hold KV that vLLM rewrote",
+                left,
+                PREEMPT_WAIT_S * 1000,
             )
 
     def _start(self, op: Op, kind: str) -> None:
@@ -215,6 +224,8 @@ class KvsvcConnectorWorker:
         chunks = [(chunk_key(self.rank, h), b) for h, b in op.chunks]
         namespace = op.namespace or None  # a salted request's, else the mapping's
         fut: Future[Any]
+        if kind == "store" and self.staging is not None:
+            self.staging.to_mirror([b for ids in blocks for b in ids])
         if kind == "load":
             fut = client.retrieve_async(
                 mapping, chunks, namespace=namespace, timeout=self.cfg.load_timeout_s
@@ -259,6 +270,8 @@ class KvsvcConnectorWorker:
                 r = t.future.result()
                 if t.kind == "load":
                     loaded = int(r.loaded_chunks)
+                    if self.staging is not None and loaded:
+                        self.staging.from_mirror([b for ids in t.blocks[:loaded] for b in ids])
                     self._count("loaded_blocks", sum(len(b) for b in t.blocks[:loaded]))
                     if loaded < len(t.blocks):  # evicted since the lookup, or failed its check
                         self._fail_load(

@@ -92,3 +92,36 @@ def settle(conn: Any, req_id: str, *, recv: bool) -> Any:
             return r
         assert time.monotonic() < deadline, f"{req_id} never finished"
         time.sleep(0.02)
+
+
+def store_planned(sched: Any, w: Any, req_id: str, block_hashes: list[bytes]) -> None:
+    """As vLLM drives a new request whose prompt one step computes: the scheduler
+    half plans its chunks' stores (into blocks 0..n-1), the worker half stores
+    them, and vLLM frees the request once the worker reports the store ended."""
+    req = request(req_id, block_hashes)
+    req.num_computed_tokens = 0
+    req.num_prompt_tokens = req.num_tokens
+    req.cache_salt = None
+    blocks = list(range(len(block_hashes)))
+    sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(blocks,))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={req_id: req.num_tokens},
+        preempted_req_ids=None,
+    )
+    meta = sched.build_connector_meta(out)
+    assert len(meta.stores) == 1, meta
+    run_step(w, meta, False)
+    assert sched.request_finished(req, blocks) == (True, None), "blocks held for the store"
+    settle(w, req_id, recv=False)
+
+
+def matched(conn: Any, req: Any, computed: int = 0, limit: float = 30) -> Any:
+    """``get_num_new_matched_tokens`` asked as vLLM's scheduler asks it: again each
+    step while it answers None ("not yet": a Lookup runs off the scheduler's thread)."""
+    deadline = time.monotonic() + limit
+    while (got := conn.get_num_new_matched_tokens(req, computed))[0] is None:
+        assert time.monotonic() < deadline, f"no answer for {req.request_id} within {limit} s"
+        time.sleep(0.01)
+    return got

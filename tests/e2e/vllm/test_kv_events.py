@@ -1,12 +1,14 @@
 """A real vLLM engine (CPU) with KV events on publishes kvsvc's blocks: a router's
 view, read from vLLM's ZMQ publisher (pyzmq + msgpack, vLLM's wire form: frames
 topic, sequence, msgpack([ts, [event maps tagged "type"], dp_rank])). After a
-prompt is stored in kvsvc its chunks arrive as BlockStored with medium "kvsvc"
-and the very hashes vLLM publishes for its own blocks of that prompt; after the
-server is killed and started again (empty: a new incarnation) they leave as
-BlockRemoved. vLLM publishes only on scheduler steps, and kvsvc's blocks only
-while the presence index is fresh, so a short flush prompt is repeated after each
-change until the subscriber has seen what should follow (bounded: a minute)."""
+prompt is stored in kvsvc its chunks arrive as BlockStored in the form vLLM's
+offloading tiers publish theirs (medium "CPU", locality "LOCAL", ownership
+"kvsvc", which tells them from vLLM's own blocks) and with the very hashes vLLM
+publishes for its own blocks of that prompt; after the server is killed and
+started again (empty: a new incarnation) they leave as BlockRemoved. vLLM
+publishes only on scheduler steps, and kvsvc's blocks only while the presence
+index is fresh, so a short flush prompt is repeated after each change until the
+subscriber has seen what should follow (bounded: a minute)."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class Subscriber:
             for ts, events in self.batches
             if after <= ts <= before
             for e in events
-            if e["type"] == kind and (e.get("medium") == "kvsvc") == kvsvc
+            if e["type"] == kind and (e.get("ownership") == "kvsvc") == kvsvc
             for h in e["block_hashes"]
         }
 
@@ -129,3 +131,5 @@ def test_kvsvc_blocks_arrive_as_vllm_kv_events_and_leave(events_run) -> None:
     assert not sub.hashes("BlockRemoved", kvsvc=True, before=killed)
     removed = sub.hashes("BlockRemoved", kvsvc=True, after=killed)
     assert removed == stored, (removed, stored)
+    ours = [e for _, events in sub.batches for e in events if e.get("ownership") == "kvsvc"]
+    assert {(e["medium"], e.get("locality")) for e in ours} == {("CPU", "LOCAL")}

@@ -22,9 +22,11 @@ from direct import (
     KV_CACHE_CONFIG,
     hashes,
     make_worker,
+    matched,
     request,
     run_step,
     settle,
+    store_planned,
     vllm_config,
 )
 from driver import KvsvcProcess
@@ -34,7 +36,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm_helpers import free_port
 
 from kvsvc.client import KVCacheClient
-from kvsvc.integrations.vllm.common import KvsvcConnectorMetadata, Op, chunk_key
+from kvsvc.integrations.vllm.common import Op, chunk_key
 from kvsvc.integrations.vllm.connector import KvsvcConnector
 
 
@@ -65,7 +67,7 @@ class Events:
 
     def poll(self) -> Events:
         for e in self.conn.take_events():
-            assert e.medium == "kvsvc"
+            assert (e.medium, e.locality, e.ownership) == ("CPU", "LOCAL", "kvsvc")
             if isinstance(e, BlockStored):
                 self.stored.update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
@@ -93,16 +95,11 @@ def test_index_hints_stale_hits_and_kv_events(server, monkeypatch) -> None:
     hs = hashes(4, b"presence")
     for layer in caches:
         layer[:4].normal_()
-    run_step(
-        w, KvsvcConnectorMetadata(stores=[Op("s", [(h, [i]) for i, h in enumerate(hs)])]), False
-    )
-    settle(w, "s", recv=False)
+    store_planned(sched.sched, w, "s", hs)
 
     # The index answers (no Lookup RPC), and the stored chunks are announced.
     req = request("r", hs)
-    until(
-        "a hint of 4 chunks", lambda: sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
-    )
+    until("a hint of 4 chunks", lambda: matched(sched, req, 0) == (4 * BLOCK, True))
     assert sched.counters.get("lookups_from_index", 0) >= 1
     assert not sched.counters.get("lookups_rpc")
     until("4 BlockStored", lambda: events.poll().stored >= ext(hs))
@@ -129,14 +126,13 @@ def test_index_hints_stale_hits_and_kv_events(server, monkeypatch) -> None:
 
     # A chunk announced, then the server dies: unknown, Lookup RPCs, withdrawn.
     more = hashes(2, b"more")
-    run_step(
-        w, KvsvcConnectorMetadata(stores=[Op("m", [(h, [i]) for i, h in enumerate(more)])]), False
-    )
-    settle(w, "m", recv=False)
+    store_planned(sched.sched, w, "m", more)
     until("2 more BlockStored", lambda: events.poll().stored >= ext(more))
     server.kill()
     until("the index unknown", lambda: not sched.sched.hints.fresh, limit=5)
-    assert sched.get_num_new_matched_tokens(request("x", more), 0) == (0, False)
+    x = request("x", more)
+    # A Lookup off the scheduler's thread ("not yet" meanwhile), which fails: a miss.
+    assert matched(sched, x, 0) == (0, False)
     assert sched.counters.get("lookup_errors", 0) + sched.counters.get("lookups_skipped_down", 0)
     until("withdrawn", lambda: events.poll().removed >= ext(more), limit=5)
     for c in (sched, w):

@@ -16,7 +16,16 @@ import pytest
 pytest.importorskip("vllm.distributed", reason="the vLLM connector tests run in .venv-vllm")
 
 import torch
-from direct import BLOCK, KV_CACHE_CONFIG, hashes, make_worker, run_step, settle, vllm_config
+from direct import (
+    BLOCK,
+    KV_CACHE_CONFIG,
+    hashes,
+    make_worker,
+    matched,
+    run_step,
+    settle,
+    vllm_config,
+)
 from driver import KvsvcProcess
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_helpers import free_port
@@ -75,7 +84,7 @@ def test_a_salted_request_stores_and_loads_in_its_salts_namespace(server, monkey
 
     # The scheduler plans the prompt's stores in the salt's namespace.
     req = salted("s", hs, "alice")
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(sched, req, 0) == (0, False)
     sched.update_state_after_alloc(req, blocks_of(list(range(N + 1))), 0)
     meta = sched.build_connector_meta(step([("s", list(range(N + 1)))], {"s": req.num_tokens}))
     assert [(op.req_id, op.namespace, len(op.chunks)) for op in meta.stores] == [("s", ns, N)]
@@ -88,9 +97,9 @@ def test_a_salted_request_stores_and_loads_in_its_salts_namespace(server, monkey
 
     # The same salt hits (a Lookup: the index follows the deployment's namespace)
     # and loads from there; without the salt, the same hashes miss.
-    assert sched.get_num_new_matched_tokens(salted("x", hs, None), 0) == (0, False)
+    assert matched(sched, salted("x", hs, None), 0) == (0, False)
     again = salted("r", hs, "alice")
-    assert sched.get_num_new_matched_tokens(again, 0) == (N * BLOCK, True)
+    assert matched(sched, again, 0) == (N * BLOCK, True)
     dst = list(range(20, 20 + N + 1))
     sched.update_state_after_alloc(again, blocks_of(dst), N * BLOCK)
     meta = sched.build_connector_meta(step([], {}))
@@ -105,6 +114,6 @@ def test_a_salted_request_stores_and_loads_in_its_salts_namespace(server, monkey
     with KVCacheClient(server.address) as c:
         assert c.drop_namespace(ns, timeout=10).dropped_chunks == N
         assert c.lookup(keys, namespace=ns, timeout=10) == 0
-    assert sched.get_num_new_matched_tokens(salted("y", hs, "alice"), 0) == (0, False)
+    assert matched(sched, salted("y", hs, "alice"), 0) == (0, False)
     w.shutdown()
     sched.shutdown()

@@ -18,6 +18,7 @@ from direct import (
     KV_CACHE_CONFIG,
     hashes,
     make_worker,
+    matched,
     request,
     run_step,
     settle,
@@ -51,7 +52,7 @@ def test_connector_with_token_tls_and_fd_socket(secured, monkeypatch) -> None:
     settle(w, "s", recv=False)
     assert w.worker.counters.get("stored_blocks") == 3
     deadline = time.monotonic() + 10
-    while sched.get_num_new_matched_tokens(request("a", hs), 0) != (3 * BLOCK, True):
+    while matched(sched, request("a", hs), 0) != (3 * BLOCK, True):
         assert time.monotonic() < deadline, sched.counters
         time.sleep(0.1)
     assert not sched.counters.get("lookup_errors")
@@ -67,7 +68,7 @@ def test_without_the_token_or_with_another_fd_socket_it_is_misses_not_errors(
     sched = KvsvcConnector(
         vllm_config(port, tp=1, **no_token), KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG
     )
-    assert sched.get_num_new_matched_tokens(request("a", hashes(2)), 0) == (0, False)
+    assert matched(sched, request("a", hashes(2)), 0) == (0, False)
     assert sched.counters.get("lookup_errors") == 1
     sched.shutdown()
 
@@ -88,6 +89,6 @@ def test_without_the_token_or_with_another_fd_socket_it_is_misses_not_errors(
     sched = KvsvcConnector(
         vllm_config(port, tp=1, **unreadable), KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG
     )
-    assert sched.get_num_new_matched_tokens(request("b", hashes(2)), 0) == (0, False)
+    assert matched(sched, request("b", hashes(2)), 0) == (0, False)
     assert sched.counters.get("lookups_skipped_down") == 1
     sched.shutdown()

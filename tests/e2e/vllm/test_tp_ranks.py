@@ -22,6 +22,7 @@ from direct import (
     KV_CACHE_CONFIG,
     hashes,
     make_worker,
+    matched,
     request,
     run_step,
     settle,
@@ -57,15 +58,15 @@ def test_a_chunk_hits_only_when_every_rank_stored_it(server, monkeypatch) -> Non
         layer[:4].normal_()
     store = KvsvcConnectorMetadata(stores=[Op("r1", [(h, [i]) for i, h in enumerate(hs)])])
 
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(sched, req, 0) == (0, False)
     run_step(w0, store, load=False)
     settle(w0, "r1", recv=False)
     assert w0.worker.counters.get("stored_blocks") == 4
     # Rank 1's shards are missing: no chunk is a hit.
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(sched, req, 0) == (0, False)
     run_step(w1, store, load=False)
     settle(w1, "r1", recv=False)
-    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+    assert matched(sched, req, 0) == (4 * BLOCK, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23, 24],))
     sched.update_state_after_alloc(req, blocks, 4 * BLOCK)
     meta = sched.build_connector_meta(
@@ -78,7 +79,7 @@ def test_a_chunk_hits_only_when_every_rank_stored_it(server, monkeypatch) -> Non
     )
     assert meta.loads == [Op("r1", [(h, [20 + i]) for i, h in enumerate(hs)])]
     # Asked again (its load failed, vLLM recomputes): no second load of the request.
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert matched(sched, req, 0) == (0, False)
 
     # Each rank loads its own shard (per-rank keys), into other blocks.
     load = KvsvcConnectorMetadata(loads=[Op("r2", [(h, [10 + i]) for i, h in enumerate(hs)])])
@@ -101,14 +102,14 @@ def test_other_deployments_never_share(server, monkeypatch) -> None:
     run_step(w, KvsvcConnectorMetadata(stores=[Op("s", [(hs[0], [0]), (hs[1], [1])])]), False)
     settle(w, "s", recv=False)
     same = KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
-    assert same.get_num_new_matched_tokens(request("a", hs), 0) == (2 * BLOCK, True)
+    assert matched(same, request("a", hs), 0) == (2 * BLOCK, True)
     for other in (
         vllm_config(port, tp=1, model="another"),
         vllm_config(port, tp=2),
         vllm_config(port, tp=1, blocks_per_chunk=2),
     ):
         sched = KvsvcConnector(other, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
-        assert sched.get_num_new_matched_tokens(request("b", hs), 0) == (0, False)
+        assert matched(sched, request("b", hs), 0) == (0, False)
         sched.shutdown()
     same.shutdown()
     w.shutdown()
@@ -119,9 +120,9 @@ def test_hooks_never_raise_into_vllm(monkeypatch) -> None:
     cfg = vllm_config(free_port(), tp=1)
     sched = KvsvcConnector(cfg, KVConnectorRole.SCHEDULER, KV_CACHE_CONFIG)
     t0 = time.monotonic()
-    assert sched.get_num_new_matched_tokens(request("a", hashes(3)), 0) == (0, False)
+    assert matched(sched, request("a", hashes(3)), 0) == (0, False)
     assert time.monotonic() - t0 < 5
-    assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="bad"), 0) == (0, False)
+    assert matched(sched, SimpleNamespace(request_id="bad"), 0) == (0, False)
     assert sched.counters["hook_errors"] == 1
     assert sched.request_finished(SimpleNamespace(request_id="bad"), []) == (False, None)
     monkeypatch.setattr(worker, "tp_rank", lambda: 0)
