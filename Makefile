@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server clients cpp languages deploy packages test-container vllm sglang clean
+.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus clients cpp languages deploy packages test-container vllm sglang clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -91,7 +91,11 @@ buf: $(BUF)
 redis-server:
 	./scripts/install_redis.sh
 
-pytest: install redis-server
+# tests/server/test_monitoring.py: promtool and a real Prometheus (deploy/monitoring/).
+prometheus:
+	./scripts/install_prometheus.sh
+
+pytest: install redis-server prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The benchmarks' extra (pyzmq + msgpack for the control plane's ZMQ echo, tqdm,

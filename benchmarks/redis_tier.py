@@ -2,7 +2,7 @@
 
 1. Store-to-Redis: node A (`kvsvc serve --remote`) stores block chunks from a shm
    region; timed from the Store call until Redis holds every chunk (DBSIZE;
-   then kvsvc_remote_written_bytes_total on A's metrics port checks that all
+   then kvsvc_tier_written_bytes_total{tier="redis"} on A's metrics port checks that all
    were written). Reference: one raw redis-py pipeline SET of the same bytes
    (values of the same size, hiredis).
 2. Retrieve-from-Redis: node B (empty store) retrieves them into its own blocks:
@@ -204,7 +204,7 @@ def tier_round(
             probe.close()
             behind.append(t_store - t_reply)
             end = time.perf_counter() + 30  # A counts a batch once Redis answered it
-            while (written := metric(port, "kvsvc_remote_written_bytes_total")) != want:
+            while (written := metric(port, 'kvsvc_tier_written_bytes_total{tier="redis"}')) != want:
                 if time.perf_counter() > end:
                     raise RuntimeError(f"node A wrote {written:.0f} bytes, not {want:.0f}")
                 time.sleep(0.05)
@@ -213,7 +213,8 @@ def tier_round(
             t_retrieve = time.perf_counter() - t0
             if loaded != n:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port_b}/metrics").read()
-                why = [ln for ln in text.decode().splitlines() if ln.startswith("kvsvc_remote")]
+                lines = text.decode().splitlines()
+                why = [ln for ln in lines if ln.startswith(("kvsvc_remote", "kvsvc_tier"))]
                 raise RuntimeError(f"retrieved {loaded} of {n} chunks: " + "; ".join(why))
             if not src.buffer.equal(dst.buffer):
                 raise RuntimeError("retrieved blocks differ from the stored ones")

@@ -323,10 +323,10 @@ def test_a_full_disk_skips_writes_and_fails_no_call(make_server, small_tmpfs: Pa
     }
     for name, labels, value in (  # what an operator sees of it
         ("kvsvc_disk_skipped_writes_total", ("full",), stats.skipped_full),
-        ("kvsvc_disk_written_chunks_total", (), disk.stats.writes),
-        ("kvsvc_disk_hits_total", (), disk.stats.hits),
+        ("kvsvc_tier_written_chunks_total", ("disk",), disk.stats.writes),
+        ("kvsvc_tier_hits_total", ("disk",), disk.stats.hits),
         ("kvsvc_disk_files", (), len(disk.index)),
-        ("kvsvc_disk_used_bytes", (), disk.index.used_bytes),
+        ("kvsvc_tier_used_bytes", ("disk",), disk.index.used_bytes),
         ("kvsvc_disk_index_ready", (), 1),
     ):
         assert seen[(name, labels)] == value, (name, labels, seen.get((name, labels)))

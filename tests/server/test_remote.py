@@ -133,7 +133,7 @@ def test_two_nodes_share_chunks_through_one_redis(node, redis_server) -> None:
         assert health_status(b.address) == SERVING
 
         text = generate_latest(b.server.servicer.metrics.registry).decode()
-        assert "kvsvc_remote_hits_total 4.0" in text
+        assert 'kvsvc_tier_hits_total{tier="redis"} 4.0' in text
         assert "kvsvc_remote_breaker_state 0.0" in text
 
 

@@ -29,8 +29,6 @@ pytestmark = pytest.mark.slow  # starts servers (and redis-server)
 
 NS = "contract"
 CHUNK = 192 << 10
-#: what each tier's metrics call the chunks it wrote
-WRITTEN = {"disk": "kvsvc_disk_written_chunks", "redis": "kvsvc_remote_writes"}
 
 
 class Backend:
@@ -95,18 +93,19 @@ def the_tier(st: ServerThread, name: str) -> Tier:
     return tier
 
 
-def counter(st: ServerThread, name: str) -> float:
+def written(st: ServerThread, tier: str) -> float:
+    """Chunks the tier wrote, as its metrics say."""
     text = generate_latest(st.server.servicer.metrics.registry).decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (name, f"{name}_total") and not sample.labels:
+            if sample.name == "kvsvc_tier_written_chunks_total" and sample.labels == {"tier": tier}:
                 return sample.value
-    raise AssertionError(f"no metric {name}")
+    raise AssertionError(f"no kvsvc_tier_written_chunks_total for tier {tier}")
 
 
 def wait_written(st: ServerThread, tier: str, n: int, limit: float = 30) -> None:
     end = time.monotonic() + limit
-    while counter(st, WRITTEN[tier]) < n:
+    while written(st, tier) < n:
         assert time.monotonic() < end, f"{tier}: fewer than {n} chunks written in {limit} s"
         time.sleep(0.02)
 
@@ -135,7 +134,7 @@ def test_a_stored_chunk_is_written_behind_and_loaded_back_bit_exact(backend, nod
         for key, data in items:
             assert c.get(NS, key) == data
     # loaded from the tier: not written back to it
-    assert counter(st, WRITTEN[backend.name]) == 4
+    assert written(st, backend.name) == 4
 
 
 def test_drop_namespace_forgets_the_tiers_copy(backend, node) -> None:
@@ -185,6 +184,6 @@ def test_a_chunk_from_a_lower_tier_is_written_to_the_tiers_above_it(tmp_path, no
         wait_written(b, "disk", 3)
         disk_b = the_tier(b, "disk")
         assert all(disk_b.holds(NS, key, None) for key, _ in items)
-        assert counter(b, WRITTEN["redis"]) == 0
+        assert written(b, "redis") == 0
     finally:
         redis.kill()

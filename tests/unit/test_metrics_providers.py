@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.ops.metrics import MAX_TENANT_SERIES, OTHER_TENANTS, Metrics
 
 
 @dataclass
@@ -19,6 +19,8 @@ class Store:
     evicted_total: int = 0
     checksum_failures: int = 0
     chunks: int = 0
+    used_by: dict[str, int] = field(default_factory=dict)
+    shares: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.chunks
@@ -26,7 +28,7 @@ class Store:
 
 @dataclass
 class Health:
-    serving: bool = True
+    ready: bool = True
     failure_time: float = 0.0
 
 
@@ -68,7 +70,8 @@ def test_gauges_follow_the_providers_live() -> None:
     first = scrape(metrics)
     assert first["kvsvc_store_capacity_bytes"] == 1 << 20
     assert first["kvsvc_inflight_transfers"] == 0 and first["kvsvc_mappings"] == 0
-    assert first["kvsvc_serving"] == 1 and first["kvsvc_seconds_since_last_fatal"] == -1
+    assert first["kvsvc_serving"] == 1
+    assert "kvsvc_seconds_since_last_fatal" not in first  # absent, no sentinel, until one
 
     store.used_bytes, store.chunks, store.evicted_total, store.checksum_failures = 4096, 3, 2, 1
     inflight.update(a=Lease(), b=Lease(abandoned=True), c=Lease(abandoned=True))
@@ -76,12 +79,12 @@ def test_gauges_follow_the_providers_live() -> None:
     fds.tokens.append("t")
     fds.peers = 4
     fds.leases = 2
-    health.serving, health.failure_time = False, 1.0
+    health.ready, health.failure_time = False, 1.0
     now = scrape(metrics)
     assert now["kvsvc_store_used_bytes"] == 4096
     assert now["kvsvc_store_chunks"] == 3
-    assert now["kvsvc_store_evictions"] == 2
-    assert now["kvsvc_store_checksum_failures"] == 1
+    assert now["kvsvc_store_evictions_total"] == 2
+    assert now["kvsvc_store_checksum_failures_total"] == 1
     assert now["kvsvc_inflight_transfers"] == 3
     assert now["kvsvc_unfenced_transfers"] == 2
     assert now["kvsvc_mappings"] == 1
@@ -113,3 +116,77 @@ def test_counters_and_two_instances_do_not_share_a_registry() -> None:
     assert 'kvsvc_requests_total{outcome="result",rpc="Store"} 2.0' in text
     assert 'kvsvc_transfer_bytes_total{direction="store"} 100.0' in text
     assert "kvsvc_requests_total{" not in generate_latest(b.registry).decode()
+
+
+def families(metrics: Metrics) -> dict[str, str]:
+    """Each family's name and type, as a scraper sees them."""
+    text = generate_latest(metrics.registry).decode()
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def test_running_totals_are_counters_and_build_info_is_one() -> None:
+    metrics = Metrics(
+        store=Store(),
+        health=Health(),
+        transfers=dict().values,
+        mappings={},
+        fds=None,
+        version="9.9",
+    )
+    kinds = families(metrics)
+    assert kinds["kvsvc_store_evictions"] == "counter"
+    assert kinds["kvsvc_store_checksum_failures"] == "counter"
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvsvc_build_info{python="' in text and 'version="9.9"} 1.0' in text
+
+
+def tenant_bytes(metrics: Metrics, name: str) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        s.labels["tenant"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_tenant_series_are_bounded() -> None:
+    """A tenant file with many tenants: the largest keep a series, the rest are summed."""
+    n = MAX_TENANT_SERIES + 30
+    store = Store(used_by={f"t{i:03}": 1000 + i for i in range(n)}, shares={"t000": 5000})
+    metrics = Metrics(store=store, health=Health(), transfers=dict().values, mappings={}, fds=None)
+    used = tenant_bytes(metrics, "kvsvc_tenant_store_used_bytes")
+    assert len(used) == MAX_TENANT_SERIES
+    assert sum(used.values()) == sum(store.used_by.values())
+    assert used[f"t{n - 1:03}"] == 1000 + n - 1  # the largest keeps its own
+    assert used[OTHER_TENANTS] == sum(1000 + i for i in range(31))  # the 31 smallest
+    assert tenant_bytes(metrics, "kvsvc_tenant_store_share_bytes") == {}  # t000 is in _other
+
+    store.used_by.clear()
+    store.used_by.update({"a": 10, "": 20})
+    assert tenant_bytes(metrics, "kvsvc_tenant_store_used_bytes") == {
+        "a": 10,
+        "default": 20,
+        "t000": 0,
+    }
+    assert tenant_bytes(metrics, "kvsvc_tenant_store_share_bytes") == {"t000": 5000}
+
+
+@dataclass
+class TenantFile:
+    reloads_ok: int = 0
+    reloads_failed: int = 0
+    reload_failed: bool = False
+
+
+def test_tenant_file_reload_failure_is_a_gauge_and_reloads_are_counted() -> None:
+    source = TenantFile()
+    metrics = bare()
+    metrics.watch_tenant_file(source)
+    assert scrape(metrics)["kvsvc_tenant_file_reload_failed"] == 0
+    source.reloads_failed, source.reload_failed = 1, True
+    text = generate_latest(metrics.registry).decode()
+    assert scrape(metrics)["kvsvc_tenant_file_reload_failed"] == 1
+    assert 'kvsvc_tenant_file_reloads_total{result="failed"} 1.0' in text
+    source.reloads_ok, source.reload_failed = 1, False
+    assert scrape(metrics)["kvsvc_tenant_file_reload_failed"] == 0

@@ -300,9 +300,11 @@ def check_listen(config: ServerConfig) -> None:
         host, _, port = net.listen.rpartition(":")
         host = host.strip("[]")
         _check_bindable(net.listen, host, int(port))
-    metrics_port = config.observability.metrics_port
-    if metrics_port:
-        _check_bindable(f"{host}:{metrics_port} (--metrics-port)", host, metrics_port)
+    metrics_at = metrics_address(config)
+    if metrics_at is not None:
+        m_host, m_port = metrics_at
+        flag = "--metrics-listen" if config.observability.metrics_listen else "--metrics-port"
+        _check_bindable(f"{_joined(m_host, m_port)} ({flag})", m_host, m_port)
     if net.health_listen and not net.health_listen.startswith("unix:"):
         h_host, _, h_port = net.health_listen.rpartition(":")
         _check_bindable(f"{net.health_listen} (--health-listen)", h_host.strip("[]"), int(h_port))
@@ -319,10 +321,38 @@ def _check_distinct_ports(config: ServerConfig) -> None:
         ("--listen", _host_port(net.listen)),
         ("--health-listen", _host_port(net.health_listen)),
         ("--metrics-port", (listen_host, config.observability.metrics_port)),
+        ("--metrics-listen", _host_port(config.observability.metrics_listen)),
     ):
         if port and (host, port) in seen:
             raise ConfigError(f"{flag}: port {port} is {seen[host, port]}'s port too")
         seen[host, port] = flag
+
+
+def metrics_address(config: ServerConfig) -> tuple[str, int] | None:
+    """(host, port) of the Prometheus endpoint, or None when off: --metrics-listen
+    as given, else --metrics-port on --listen's host (127.0.0.1 for a unix socket)."""
+    obs = config.observability
+    if obs.metrics_listen and obs.metrics_port:
+        raise ConfigError(
+            "--metrics-listen and --metrics-port both set: give one "
+            "(--metrics-listen HOST:PORT, or --metrics-port on --listen's host)"
+        )
+    if obs.metrics_listen:
+        host, port = _host_port(obs.metrics_listen)
+        if not port:  # a unix socket, or port 0: Prometheus needs a TCP port it knows
+            raise ConfigError(
+                f"--metrics-listen {obs.metrics_listen}: expected HOST:PORT with a TCP port"
+            )
+        return host, port
+    if not obs.metrics_port:
+        return None
+    listen = config.network.listen
+    host = "127.0.0.1" if listen.startswith("unix:") else _host_port(listen)[0]
+    return host, obs.metrics_port
+
+
+def _joined(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -340,7 +340,16 @@ class ObservabilitySettings:
         choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         "logging level: `DEBUG`, `INFO`, `WARNING` or `ERROR`",
     )
-    metrics_port: int = setting(0, port, "Prometheus metrics HTTP port", note="off")
+    metrics_port: int = setting(
+        0, port, "Prometheus metrics HTTP port, on `--listen`'s host", note="off"
+    )
+    metrics_listen: str = setting(
+        "",
+        optional(listen_address),
+        "`HOST:PORT` of the Prometheus metrics HTTP endpoint (e.g. `0.0.0.0:9400`, so a "
+        "sidecar bound to loopback can be scraped); instead of `--metrics-port`",
+        note="off",
+    )
 
 
 @dataclass(frozen=True)

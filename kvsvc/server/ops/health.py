@@ -302,6 +302,12 @@ class Health:
     def serving(self) -> bool:
         return not self.failure_reason and not self.shutting_down
 
+    @property
+    def ready(self) -> bool:
+        """Whether grpc.health.v1 answers SERVING for the service name now (from any
+        thread: the health port's servicer, which the watchdog fails without the loop)."""
+        return self.probe.status(SERVICE_NAME) == SERVING_STATUS
+
     def fatal_now(self, reason: str, detail: str) -> None:
         """Stop serving for good (until restart); the first failure is the one reported.
 

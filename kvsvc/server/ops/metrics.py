@@ -1,16 +1,23 @@
-"""Prometheus metrics (prometheus-client), served on --metrics-port when set.
+"""Prometheus metrics (prometheus-client), served on --metrics-listen or --metrics-port.
 
 Counters are updated at the few places that see every event (the RPC wrapper,
 the transfer engine); gauges read the live server state when scraped, so they
 cannot drift from it. That state comes in through the narrow read-only views
 below (structural protocols and callables), never the servicer: metrics import
-no other kvsvc module, and a test can drive them with plain objects."""
+no other kvsvc module, and a test can drive them with plain objects.
+
+Naming follows Prometheus: what only grows is a counter (``_total``), base units
+in the name, no sentinel values (a series that has nothing to say is absent),
+and labels of bounded cardinality (``tier``: the tiers configured; ``tenant``: at
+most :data:`MAX_TENANT_SERIES`, the rest summed). docs/metrics.md lists every
+series; a test keeps it in step with a live scrape."""
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence, Sized
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,9 +25,14 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# A `_created` gauge beside every counter and histogram child doubles a scrape and
+# no query here reads one; the server process has no other Prometheus user.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -42,9 +54,15 @@ _LATENCY_BUCKETS = (
     30.0,
 )
 
+#: Tenants given a series of their own in the per-tenant gauges (the largest by
+#: bytes held); the rest are summed under tenant="_other", so a tenant file with
+#: thousands of tenants cannot blow up a scrape.
+MAX_TENANT_SERIES = 50
+OTHER_TENANTS = "_other"
+
 
 class StoreStats(Protocol):
-    """What the store gauges read (kvsvc.server.data.store.ChunkStore has these)."""
+    """What the store metrics read (kvsvc.server.data.store.ChunkStore has these)."""
 
     @property
     def capacity(self) -> int: ...
@@ -54,6 +72,10 @@ class StoreStats(Protocol):
     def evicted_total(self) -> int: ...
     @property
     def checksum_failures(self) -> int: ...
+    @property
+    def used_by(self) -> Mapping[str, int]: ...
+    @property
+    def shares(self) -> Mapping[str, int]: ...
     def __len__(self) -> int: ...
 
 
@@ -61,9 +83,21 @@ class ServingState(Protocol):
     """What the health gauges read (kvsvc.server.ops.health.Health has these)."""
 
     @property
-    def serving(self) -> bool: ...
+    def ready(self) -> bool:
+        """Whether grpc.health.v1 answers SERVING for the service name now."""
+        ...
+
     @property
     def failure_time(self) -> float: ...
+
+
+class TenantFile(Protocol):
+    """What the tenant-file metrics read (kvsvc.server.security.auth.Authenticator)."""
+
+    reloads_ok: int
+    reloads_failed: int
+    #: the last reload failed: the tables in force are older than the file
+    reload_failed: bool
 
 
 class Lease(Protocol):
@@ -168,9 +202,6 @@ class DiskCollector:
         d, s = self.disk, self.disk.stats
         for name, doc, gauge in (
             ("kvsvc_disk_files", "chunk files the disk tier holds", d.files),
-            ("kvsvc_disk_used_bytes", "bytes of the chunk files held", d.used_bytes),
-            ("kvsvc_disk_capacity_bytes", "--disk-capacity", d.capacity),
-            ("kvsvc_disk_queue_bytes", "chunk bytes waiting to be written", d.queued_bytes),
             ("kvsvc_disk_index_ready", "1 once the index of --disk-dir is rebuilt", d.ready),
             ("kvsvc_disk_index_seconds", "time the index rebuild took at start", s.index_seconds),
             ("kvsvc_disk_writing", "1 while writes land, 0 while the disk refuses them", d.writing),
@@ -183,11 +214,7 @@ class DiskCollector:
         ):
             yield GaugeMetricFamily(name, doc, value=float(gauge))
         for name, doc, value in (
-            ("kvsvc_disk_written_chunks", "chunk files written", s.writes),
-            ("kvsvc_disk_written_bytes", "chunk bytes written to disk", s.bytes_written),
             ("kvsvc_disk_evicted_files", "files removed for room (--disk-capacity)", s.evicted),
-            ("kvsvc_disk_hits", "chunks loaded back from disk into memory", s.hits),
-            ("kvsvc_disk_read_bytes", "chunk bytes loaded back from disk", s.bytes_read),
             (
                 "kvsvc_disk_durable_late",
                 "--disk-sync Stores that replied at their deadline, before their chunks "
@@ -232,6 +259,31 @@ class DiskCollector:
             refused.add_metric([kind], n)
         yield refused
 
+    def figures(self) -> TierFigures:
+        d, s = self.disk, self.disk.stats
+        return TierFigures(
+            hits=s.hits,
+            read_bytes=s.bytes_read,
+            written_chunks=s.writes,
+            written_bytes=s.bytes_written,
+            queue_bytes=d.queued_bytes,
+            used_bytes=d.used_bytes,
+            capacity_bytes=d.capacity,
+        )
+
+
+class TierFigures(NamedTuple):
+    """What every tier below memory reports the same way (``kvsvc_tier_*{tier}``);
+    None: the tier cannot say (Redis does not tell its memory use)."""
+
+    hits: int
+    read_bytes: int
+    written_chunks: int
+    written_bytes: int
+    queue_bytes: int
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+
 
 class TierView(Protocol):
     """What metrics read of every tier below memory (kvsvc.server.tiers.base.Tier)."""
@@ -245,9 +297,26 @@ class TierView(Protocol):
 
 
 class _TiersCollector:
-    """What every tier says the same way, labelled by tier."""
+    """What every tier says the same way, labelled by tier (the tiers configured:
+    bounded). ``tiers``: each tier with its own collector, which gives the figures."""
 
-    def __init__(self, tiers: Sequence[TierView]) -> None:
+    COUNTERS = (
+        ("kvsvc_tier_hits", "hits", "chunks loaded from the tier into memory by Retrieve"),
+        ("kvsvc_tier_read_bytes", "read_bytes", "chunk bytes loaded from the tier"),
+        ("kvsvc_tier_written_chunks", "written_chunks", "chunks written to the tier"),
+        ("kvsvc_tier_written_bytes", "written_bytes", "chunk bytes written to the tier"),
+    )
+    GAUGES = (
+        ("kvsvc_tier_queue_bytes", "queue_bytes", "chunk bytes waiting to be written behind"),
+        ("kvsvc_tier_used_bytes", "used_bytes", "bytes the tier holds (tiers that know it)"),
+        (
+            "kvsvc_tier_capacity_bytes",
+            "capacity_bytes",
+            "bytes the tier may hold (tiers with a bound: --disk-capacity)",
+        ),
+    )
+
+    def __init__(self, tiers: Sequence[tuple[TierView, Any]]) -> None:
         self.tiers = tiers
 
     def collect(self) -> Iterator[Any]:
@@ -256,9 +325,133 @@ class _TiersCollector:
             "1 while the tier's writes land, 0 while they are skipped (counted) until it heals",
             labels=["tier"],
         )
-        for tier in self.tiers:
+        figures: list[tuple[str, TierFigures]] = []
+        for tier, collector in self.tiers:
             writing.add_metric([tier.name], 1.0 if tier.writing else 0.0)
+            if hasattr(collector, "figures"):
+                figures.append((tier.name, collector.figures()))
         yield writing
+        for name, field, doc in self.COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier_name, f in figures:
+                counter.add_metric([tier_name], getattr(f, field))
+            yield counter
+        for name, field, doc in self.GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier_name, f in figures:
+                value = getattr(f, field)
+                if value is not None:
+                    gauge.add_metric([tier_name], float(value))
+            yield gauge
+
+
+class _StoreCollector:
+    """The memory store, and what each tenant holds of it, read when scraped."""
+
+    def __init__(self, store: StoreStats) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Any]:
+        st = self.store
+        for name, doc, value in (
+            ("kvsvc_store_capacity_bytes", "chunk store capacity (--store-bytes)", st.capacity),
+            ("kvsvc_store_used_bytes", "chunk store bytes in use", st.used_bytes),
+            ("kvsvc_store_chunks", "chunks stored", len(st)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        yield CounterMetricFamily(
+            "kvsvc_store_evictions",
+            "chunks evicted (LRU, by tenant share) from memory",
+            st.evicted_total,
+        )
+        yield CounterMetricFamily(
+            "kvsvc_store_checksum_failures",
+            "chunks in memory that failed their CRC-32C check (dropped, never served)",
+            st.checksum_failures,
+        )
+        # Copying a plain dict never releases the GIL: a consistent view although the
+        # loop keeps changing the store while this runs on the scrape thread.
+        used = dict(st.used_by)
+        shares = dict(st.shares)
+        used_family = GaugeMetricFamily(
+            "kvsvc_tenant_store_used_bytes",
+            f"store bytes each tenant holds (the {MAX_TENANT_SERIES - 1} largest; the rest "
+            f'summed as tenant="{OTHER_TENANTS}")',
+            labels=["tenant"],
+        )
+        share_family = GaugeMetricFamily(
+            "kvsvc_tenant_store_share_bytes",
+            "store bytes a tenant may hold before eviction takes from it first "
+            "(tenants with a store_share quota)",
+            labels=["tenant"],
+        )
+        for tenant, value in bounded_tenants(used, shares.keys()).items():
+            used_family.add_metric([tenant or "default"], float(value))
+            if tenant in shares:
+                share_family.add_metric([tenant or "default"], float(shares[tenant]))
+        yield used_family
+        yield share_family
+
+
+def bounded_tenants(used: Mapping[str, int], known: Collection[str]) -> dict[str, int]:
+    """Each tenant's bytes (those with a share or bytes), at most MAX_TENANT_SERIES
+    entries: the largest keep their own, the rest summed under OTHER_TENANTS."""
+    everyone = {t: used.get(t, 0) for t in (*used, *known)}
+    if len(everyone) <= MAX_TENANT_SERIES:
+        return everyone
+    ranked = sorted(everyone.items(), key=lambda kv: (-kv[1], kv[0]))
+    kept = dict(ranked[: MAX_TENANT_SERIES - 1])
+    kept[OTHER_TENANTS] = sum(v for _, v in ranked[MAX_TENANT_SERIES - 1 :])
+    return kept
+
+
+class _HealthCollector:
+    """Readiness as health answers it, and how long ago a fatal failure stopped it."""
+
+    def __init__(self, health: ServingState) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Any]:
+        h = self.health
+        yield GaugeMetricFamily(
+            "kvsvc_serving",
+            "1 while grpc.health.v1 answers SERVING for kvsvc.v1.KVCacheService (readiness); "
+            "0 before start, while a tier holds it (disk index rebuild), after a fatal "
+            "failure and in shutdown",
+            value=1.0 if h.ready else 0.0,
+        )
+        failed_at = h.failure_time
+        if failed_at:  # no sentinel: the family is absent until a fatal failure
+            yield GaugeMetricFamily(
+                "kvsvc_seconds_since_last_fatal",
+                "seconds since the fatal failure that stopped serving (absent while none)",
+                value=time.time() - failed_at,
+            )
+
+
+class _TenantFileCollector:
+    """Whether the tenant file in force is the one on disk (SIGHUP reloads)."""
+
+    def __init__(self, source: TenantFile) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        t = self.source
+        reloads = CounterMetricFamily(
+            "kvsvc_tenant_file_reloads",
+            "tenant file reloads (SIGHUP), by result: ok, or failed (the previous tables "
+            "stay in force)",
+            labels=["result"],
+        )
+        reloads.add_metric(["ok"], t.reloads_ok)
+        reloads.add_metric(["failed"], t.reloads_failed)
+        yield reloads
+        yield GaugeMetricFamily(
+            "kvsvc_tenant_file_reload_failed",
+            "1 while the last reload of the tenant file failed (the tables in force are "
+            "older than the file); 0 once one succeeds",
+            value=1.0 if t.reload_failed else 0.0,
+        )
 
 
 class EventStats(Protocol):
@@ -298,11 +491,7 @@ class RemoteCollector:
     def collect(self) -> Iterator[Any]:
         r = self.remote
         for name, doc, value in (
-            ("kvsvc_remote_hits", "chunks fetched from Redis into the store", r.hits),
             ("kvsvc_remote_misses", "chunks Retrieve asked Redis for and did not get", r.misses),
-            ("kvsvc_remote_read_bytes", "bytes fetched from Redis", r.bytes_read),
-            ("kvsvc_remote_written_bytes", "bytes written to Redis", r.bytes_written),
-            ("kvsvc_remote_writes", "chunks written to Redis", r.writes),
             (
                 "kvsvc_remote_dropped_writes",
                 "chunks never written to Redis (queue full, Redis failing, breaker open)",
@@ -330,12 +519,19 @@ class RemoteCollector:
             "kvsvc_remote_queue_depth", "chunks waiting to be written to Redis", r.queue_depth
         )
         yield GaugeMetricFamily(
-            "kvsvc_remote_queue_bytes", "bytes waiting to be written to Redis", r.queued_bytes
-        )
-        yield GaugeMetricFamily(
             "kvsvc_remote_breaker_state",
             "the Redis circuit breaker: 0 closed, 1 open, 2 half-open (one probe)",
             r.breaker_state,
+        )
+
+    def figures(self) -> TierFigures:
+        r = self.remote
+        return TierFigures(
+            hits=r.hits,
+            read_bytes=r.bytes_read,
+            written_chunks=r.writes,
+            written_bytes=r.bytes_written,
+            queue_bytes=r.queued_bytes,
         )
 
 
@@ -355,8 +551,15 @@ class Metrics:
         fds: FdStats | None,
         events: EventStats | None = None,
         tiers: Sequence[TierView] = (),
+        version: str = "",
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        Gauge(
+            "kvsvc_build_info",
+            "1, labelled with the kvsvc version and the Python that runs it",
+            ["version", "python"],
+            registry=r,
+        ).labels(version or "unknown", platform.python_version()).set(1)
         self.requests = Counter(
             "kvsvc_requests",
             "RPCs answered, by method and outcome ('result' or the error reason)",
@@ -415,17 +618,6 @@ class Metrics:
             # A snapshot first: the scrape thread must not iterate a dict the loop changes.
             lambda: sum(1 for t in tuple(transfers()) if t.abandoned),
         )
-        gauge("kvsvc_store_capacity_bytes", "chunk store capacity", lambda: store.capacity)
-        gauge("kvsvc_store_used_bytes", "chunk store bytes in use", lambda: store.used_bytes)
-        gauge("kvsvc_store_chunks", "chunks stored", lambda: len(store))
-        gauge(
-            "kvsvc_store_evictions", "chunks evicted (LRU) since start", lambda: store.evicted_total
-        )
-        gauge(
-            "kvsvc_store_checksum_failures",
-            "chunks that failed their checksum",
-            lambda: store.checksum_failures,
-        )
         gauge("kvsvc_mappings", "mapped engine regions", lambda: len(mappings))
         gauge(
             "kvsvc_fd_tokens_held",
@@ -448,23 +640,15 @@ class Metrics:
             lambda: fds.open_fds() if fds is not None else 0,
         )
         ProcessCollector(registry=r)  # process_open_fds / process_max_fds: the whole server
-        gauge(
-            "kvsvc_serving",
-            "1 while health is SERVING, 0 after a fatal failure or in shutdown",
-            lambda: 1.0 if health.serving else 0.0,
-        )
-        gauge(
-            "kvsvc_seconds_since_last_fatal",
-            "seconds since the fatal failure that stopped serving (-1: none)",
-            lambda: time.time() - health.failure_time if health.failure_time else -1.0,
-        )
-
+        r.register(_StoreCollector(store))  # type: ignore[arg-type]
+        r.register(_HealthCollector(health))  # type: ignore[arg-type]
         if events is not None:
             r.register(_EventsCollector(events))  # type: ignore[arg-type]
-        for tier in tiers:
-            r.register(tier.collector())
+        collectors = [(tier, tier.collector()) for tier in tiers]
+        for _, collector in collectors:
+            r.register(collector)
         if tiers:
-            r.register(_TiersCollector(tiers))  # type: ignore[arg-type]
+            r.register(_TiersCollector(collectors))  # type: ignore[arg-type]
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._transfer_children: dict[str, tuple[Any, Any]] = {}
 
@@ -494,5 +678,9 @@ class Metrics:
         self._lookup_hit.inc(hits)
         self._lookup_miss.inc(asked - hits)
 
-    def serve_http(self, port: int, addr: str) -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def watch_tenant_file(self, source: TenantFile) -> None:
+        """Export the tenant file's reloads (servers with --auth-token-file)."""
+        self.registry.register(_TenantFileCollector(source))  # type: ignore[arg-type]
+
+    def serve_http(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)

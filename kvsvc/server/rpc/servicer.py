@@ -96,6 +96,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             fds=self.fds,
             events=self.events,
             tiers=self.tiers.tiers,
+            version=__version__,
         )
         self.transfers = Transfers(
             config, self.store, self.engine, self.tiers, self.mapper, self.metrics, self.start_id
