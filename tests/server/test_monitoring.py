@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisServer, free_port, require_redis
 from support import REPO, ServerProcess
@@ -386,3 +387,27 @@ def test_the_metrics_reference_lists_exactly_what_the_server_exports(stack: Stac
     assert set(exported) - set(documented) == set(), "exported, not in docs/metrics.md"
     wrong = {n: (documented[n], k) for n, k in exported.items() if documented[n] != k}
     assert not wrong, f"types differ (documented, exported): {wrong}"
+
+
+def test_a_failed_tenant_file_reload_shows_until_one_succeeds(make_server, tmp_path: Path) -> None:
+    path = tenant_file(tmp_path / "tenants.json")
+    st = make_server(auth_token_file=str(path))
+
+    def value(name: str, **labels: str) -> float:
+        text = generate_latest(st.server.servicer.metrics.registry).decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return sample.value
+        raise AssertionError(f"no {name}{labels}")
+
+    good = path.read_text()
+    assert value("kvsvc_tenant_file_reload_failed") == 0
+    path.write_text("{not json")
+    assert st.server.auth is not None and not st.server.auth.reload()  # what SIGHUP runs
+    assert value("kvsvc_tenant_file_reload_failed") == 1
+    assert value("kvsvc_tenant_file_reloads_total", result="failed") == 1
+    path.write_text(good)
+    assert st.server.auth.reload()
+    assert value("kvsvc_tenant_file_reload_failed") == 0
+    assert value("kvsvc_tenant_file_reloads_total", result="ok") == 1

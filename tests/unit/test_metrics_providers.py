@@ -4,11 +4,17 @@ gauge follows them live. (tests/server/test_metrics.py scrapes a real server.)""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+import pytest
+from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvsvc.server.config import ConfigError, ServerConfig, parse_server_config
+from kvsvc.server.config.host import metrics_address
+from kvsvc.server.ops.health import Health as RealHealth
 from kvsvc.server.ops.metrics import MAX_TENANT_SERIES, OTHER_TENANTS, Metrics
 
 
@@ -190,3 +196,64 @@ def test_tenant_file_reload_failure_is_a_gauge_and_reloads_are_counted() -> None
     assert 'kvsvc_tenant_file_reloads_total{result="failed"} 1.0' in text
     source.reloads_ok, source.reload_failed = 1, False
     assert scrape(metrics)["kvsvc_tenant_file_reload_failed"] == 0
+
+
+def test_serving_reads_what_health_answers_for_readiness() -> None:
+    """The disk index hold keeps readiness NOT_SERVING (liveness SERVING): so does
+    kvsvc_serving; a fatal failure after the release turns it to 0 again."""
+
+    async def run() -> list[float]:
+        health = RealHealth()
+        metrics = Metrics(
+            store=Store(), health=health, transfers=dict().values, mappings={}, fds=None
+        )
+        seen = [scrape(metrics)["kvsvc_serving"]]  # before start
+        health.hold("disk_index")
+        await health.start()
+        assert health.probe.status("") == health_pb2.HealthCheckResponse.SERVING
+        seen.append(scrape(metrics)["kvsvc_serving"])
+        health.release("disk_index")
+        seen.append(scrape(metrics)["kvsvc_serving"])
+        health.fatal_now("TRANSFER_STALLED", "test")
+        values = scrape(metrics)
+        seen.append(values["kvsvc_serving"])
+        assert values["kvsvc_seconds_since_last_fatal"] >= 0
+        return seen
+
+    assert asyncio.run(run()) == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "address"),
+    [
+        ({}, None),
+        ({"metrics_port": 9400}, ("127.0.0.1", 9400)),
+        ({"listen": "0.0.0.0:50051", "metrics_port": 9400}, ("0.0.0.0", 9400)),
+        ({"listen": "unix:/tmp/k.sock", "metrics_port": 9400}, ("127.0.0.1", 9400)),
+        ({"metrics_listen": "0.0.0.0:9400"}, ("0.0.0.0", 9400)),
+        ({"metrics_listen": "[::]:9400"}, ("::", 9400)),
+    ],
+)
+def test_metrics_listen_or_metrics_port(settings: dict[str, object], address: object) -> None:
+    assert metrics_address(ServerConfig.from_settings(**settings)) == address
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"metrics_listen": "0.0.0.0:9400", "metrics_port": 9401}, "both set"),
+        ({"metrics_listen": "unix:/tmp/m.sock"}, "expected HOST:PORT with a TCP port"),
+        ({"metrics_listen": "127.0.0.1:0"}, "expected HOST:PORT with a TCP port"),
+    ],
+)
+def test_metrics_listen_refusals_name_the_flag(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        metrics_address(ServerConfig.from_settings(**settings))
+    assert "--metrics-listen" in str(caught.value)
+
+
+def test_metrics_listen_is_a_flag_and_a_variable() -> None:
+    config = parse_server_config(["--metrics-listen", "0.0.0.0:9400"], environ={})
+    assert config.observability.metrics_listen == "0.0.0.0:9400"
+    config = parse_server_config([], environ={"KVSVC_METRICS_LISTEN": "127.0.0.1:9500"})
+    assert metrics_address(config) == ("127.0.0.1", 9500)
