@@ -50,13 +50,13 @@ def measure(rounds: int, lookups: int) -> dict[str, dict[str, float]]:
         seq = 0
         for c in clients.values():  # warm up
             for _ in range(50):
-                c.lookup(keys, namespace="bench")
+                c.lookup("bench", keys)
         for _ in range(rounds):
             for name, c in clients.items():
                 samples = lat[name]
                 for _ in range(lookups):
                     t0 = time.perf_counter()
-                    c.lookup(keys, namespace="bench")
+                    c.lookup("bench", keys)
                     samples.append(time.perf_counter() - t0)
                 # 16 chunks of 4 blocks (4 MiB each): 64 MiB per Store call, fresh keys.
                 chunks = [(b"s%d" % (seq + i), list(range(4 * (i % 64), 4 * (i % 64) + 4)))

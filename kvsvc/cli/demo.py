@@ -173,7 +173,7 @@ def _steps(client: KVCacheClient, shm_dir: str, memfd: bool) -> int:
             rows[-1][2],
         )
         keys = [k for k, _ in chunks]
-        hits = step("lookup", lambda: f"{client.lookup(keys, mapping=m_src)} of 4 present")
+        hits = step("lookup", lambda: f"{client.lookup(m_src, keys)} of 4 present")
         ok &= hits.startswith("4 ")
         targets = [(k, [31 - b for b in ids]) for k, ids in chunks]
         got = step("retrieve into other blocks", lambda: client.retrieve(m_dst, targets))

@@ -8,25 +8,37 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvsvc import __version__
 from kvsvc.logs import setup_logging
 from kvsvc.server.config import (
     TOKEN_FILE_ENV,
     ConfigError,
+    ServerConfig,
     add_server_arguments,
     check_host,
     check_listen,
     check_security,
-    config_from_args,
+    effective_toml,
     env_name,
     read_token_file,
+    resolve_args,
 )
+from kvsvc.server.config.values import positive_float, target_address
 from kvsvc.server.ops import failpoints
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line naming its cause: serve's usage alone runs to forty
+    lines, which buried it. --help still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvsvc",
         description="kvsvc: moves LLM KV-cache blocks between engine workers and a cache server",
     )
@@ -36,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve = sub.add_parser(
         "serve",
         help="run the server",
-        description="Run the kvsvc server. Every flag has a KVSVC_* environment equivalent.",
+        description="Run the kvsvc server. Every flag has a KVSVC_* environment equivalent "
+        "and a key of the same name in a --config file.",
     )
     add_server_arguments(serve)
 
@@ -48,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--target",
         default=None,
+        type=target_address,
         help="HOST:PORT or unix:PATH of a running server (default: start one)",
     )
     demo.add_argument(
@@ -95,13 +109,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "disk and Redis (DropNamespace); a tenant drops only its own namespaces.",
     )
     drop.add_argument("namespace", help="the namespace, as the caller's other calls name it")
-    drop.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT or unix:PATH")
+    drop.add_argument(
+        "--target", default="127.0.0.1:50051", type=target_address, help="HOST:PORT or unix:PATH"
+    )
     drop.add_argument(
         "--token-file",
         default=os.environ.get(TOKEN_FILE_ENV, ""),
         help=f"file holding the bearer token (env {TOKEN_FILE_ENV})",
     )
-    drop.add_argument("--timeout", type=float, default=30.0, help="seconds the call may take")
+    drop.add_argument(
+        "--timeout", type=positive_float, default=30.0, help="seconds the call may take"
+    )
 
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
@@ -164,12 +182,15 @@ def _drop_namespace(args: argparse.Namespace) -> int:
     except (KVServiceError, ValueError) as exc:
         print(f"kvsvc drop-namespace: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    redis = "" if r.redis_complete else " (the Redis scan did not finish: run it again)"
-    print(
-        f"kvsvc drop-namespace: {args.namespace}: {r.dropped_chunks} chunks "
-        f"({r.dropped_bytes} bytes) in memory, {r.disk_chunks} on disk, "
-        f"{r.redis_keys} Redis keys{redis}"
-    )
+    # Only what was dropped is named: a zero cannot say whether the server has that
+    # tier at all (the reply does not tell), and "0 Redis keys" read as if it had.
+    dropped = [f"{r.dropped_chunks} chunks ({r.dropped_bytes} bytes) from memory"]
+    if r.disk_chunks:
+        dropped.append(f"{r.disk_chunks} chunk files ({r.disk_bytes} bytes) from disk")
+    if r.redis_keys:
+        dropped.append(f"{r.redis_keys} keys from Redis")
+    unfinished = "" if r.redis_complete else "; the Redis scan did not finish: run it again"
+    print(f"kvsvc drop-namespace: {args.namespace}: dropped {', '.join(dropped)}{unfinished}")
     return 0 if r.redis_complete else 1
 
 
@@ -182,12 +203,17 @@ def _init_auth(path: str) -> int:
             file=sys.stderr,
         )
         return 2
-    token_path = os.path.join(os.path.dirname(path) or ".", TOKEN_FILE_NAME)
+    directory = os.path.dirname(path) or "."
+    token_path = os.path.join(directory, TOKEN_FILE_NAME)
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        print(f"kvsvc init-auth: --tenant-file {path}: {directory} {what}", file=sys.stderr)
+        return 2
     try:
         made = init_tenant_file(path)
     except OSError as exc:
-        print(f"kvsvc init-auth: cannot write {path}: {exc.strerror}", file=sys.stderr)
-        return 1
+        print(f"kvsvc init-auth: cannot write in {directory}: {exc.strerror}", file=sys.stderr)
+        return 2 if isinstance(exc, PermissionError) else 1
     done = "wrote" if made else "kept the existing"
     print(f"kvsvc init-auth: {done} {path} (token in {token_path})")
     return 0
@@ -199,7 +225,15 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     an address that cannot be bound or a refused security setup is
     `kvsvc serve: ...`. Only a ConfigError is such a line: what kvsvc.server.config's
     checks cannot foresee is a bug to see whole, with its traceback."""
-    config = config_from_args(args, parser)
+    try:
+        resolved = resolve_args(args, parser)
+    except ConfigError as exc:  # the --config file's: names the file and the key
+        return _refuse(exc)
+    config = resolved.config
+    if args.print_config:
+        sys.stdout.write(effective_toml(resolved))
+        if not args.check:
+            return 0
     try:
         check_host(config)
     except ConfigError as exc:
@@ -209,6 +243,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_security(config)
     except ConfigError as exc:
         return _refuse(exc)
+    if args.check:
+        return _check_rest(config)
     setup_logging(config.observability.log_level, config.observability.log_format)
     try:
         failpoints.load_from_env()  # the only place a failpoint table is installed
@@ -220,6 +256,24 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return asyncio.run(run_server(config))
     except ConfigError as exc:  # the port was taken between the check and the bind
         return _refuse(exc)
+
+
+def _check_rest(config: ServerConfig) -> int:
+    """`serve --check`, past the host checks: what a start reads before serving (the
+    tenant file, KVSVC_FAILPOINTS), read and judged here; nothing is made or bound."""
+    from kvsvc.server.security.auth import TenantFileError, load_tables
+
+    try:
+        failpoints.parse(os.environ.get(failpoints.ENV, ""))
+    except ValueError as exc:
+        return _refuse(f"{failpoints.ENV}: {exc}")
+    if config.security.auth_token_file:
+        try:
+            load_tables(config.security.auth_token_file)
+        except TenantFileError as exc:
+            return _refuse(f"--auth-token-file: {exc}")
+    print(f"kvsvc serve --check: the configuration is valid here (listen {config.network.listen})")
+    return 0
 
 
 def _refuse(why: object) -> int:

@@ -332,13 +332,30 @@ def retrieve_many(
 
 def lookup(
     c: Core,
-    keys: Sequence[bytes],
+    scope: str | MappingHandle | Sequence[bytes],
+    keys: Sequence[bytes] | None = None,
+    /,
     *,
     mapping: MappingHandle | None = None,
     namespace: str | None = None,
     timeout: Timeout = DEFAULT,
 ) -> Steps[int]:
-    """How many of ``keys``, from the first, are stored."""
+    """How many of ``keys``, from the first, are stored in a namespace, or in a
+    mapping's: ``lookup("ns", keys)``, ``lookup(mapping, keys)``, the namespace or
+    mapping first as in ``put``, ``get`` and ``store``. ``lookup(keys,
+    namespace="ns")`` and ``lookup(keys, mapping=m)`` mean the same."""
+    if keys is None:  # lookup(keys, namespace= or mapping=)
+        if isinstance(scope, (str, MappingHandle)):
+            raise TypeError("lookup(namespace or mapping, keys): no keys given")
+        keys = scope
+    elif mapping is not None or namespace is not None:
+        raise TypeError("lookup(namespace or mapping, keys): namespace= or mapping= given too")
+    elif isinstance(scope, MappingHandle):
+        mapping = scope
+    elif isinstance(scope, str):
+        namespace = scope
+    else:
+        raise TypeError(f"lookup(namespace or mapping, keys): not a namespace: {scope!r}")
     r = yield from _send(c._plan(LOOKUP, _lookup_request(keys, mapping, namespace), timeout))
     return int(r.hit_chunks)
 

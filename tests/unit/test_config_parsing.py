@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import socket
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ from kvsvc.limits import MAX_DEADLINE_S, GiB, MiB, validate_deadline
 from kvsvc.server.config import (
     SETTINGS,
     ConfigError,
+    Resolved,
     ServerConfig,
     add_server_arguments,
+    check_disk_dir,
     check_listen,
     check_shm_dir,
     config_from_args,
@@ -28,7 +32,13 @@ from kvsvc.server.config import (
     parse_server_config,
 )
 from kvsvc.server.config.docs import BEGIN, END, render_readme
-from kvsvc.server.config.values import listen_address, parse_size, port
+from kvsvc.server.config.sources import (
+    CONFIG_ENV,
+    effective_toml,
+    read_config_file,
+    resolve_args,
+)
+from kvsvc.server.config.values import listen_address, parse_size, port, target_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +69,9 @@ def test_sizes_parse_with_units(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "-1G", "12X"])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "0", "-1G", "12X", "inf", "nan", "-inf", "1e400", "infG"]
+)
 def test_bad_sizes_are_argument_errors(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size(text)
@@ -184,7 +196,7 @@ def test_each_setting_is_declared_once_with_a_unique_flag_and_variable() -> None
     from kvsvc.server.config import GROUPS
 
     names = [s.name for g in GROUPS for s in g.settings]
-    assert len(names) == len(set(names)) == len(SETTINGS) == 48
+    assert len(names) == len(set(names)) == len(SETTINGS) == 47
     assert len({s.env for s in SETTINGS.values()}) == len(SETTINGS)
     for g in GROUPS:  # a group's settings are its dataclass's fields, in order
         assert [s.group for s in g.settings] == [g.attr] * len(g.settings)
@@ -326,3 +338,152 @@ def test_vllm_connector_config_keys_env_and_validation() -> None:
     for bad in ({"load_timeout_s": 0}, {"fence_timeout_s": float("inf")}, {"blocks_per_chunk": 0}):
         with pytest.raises(ValueError):
             VllmConnectorConfig.parse(bad, {})
+
+
+# --- where a server is dialled (demo, drop-namespace) --------------------------------
+@pytest.mark.parametrize("text", ["localhost:50051", "[::1]:1", "10.0.0.1:65535", "unix:/x.sock"])
+def test_targets_accepted(text: str) -> None:
+    assert target_address(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("localhost", r"^no port in 'localhost': give HOST:PORT .*localhost:50051\) or unix:PATH$"),
+        ("::1", r"\[::1\]:50051"),
+        ("[::1]", r"\[::1\]:50051"),
+        ("h:0", "port 0"),
+        ("h:99999", "port must be"),
+        ("unix:", "needs a socket path"),
+    ],
+)
+def test_a_target_without_a_port_is_refused(text: str, message: str) -> None:
+    """gRPC would dial a bare host on port 443."""
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        target_address(text)
+
+
+# --- the disk tier's directory ---------------------------------------------------------
+def test_check_disk_dir_names_what_is_in_the_way(tmp_path: Path) -> None:
+    check_disk_dir(str(tmp_path))  # exists, writable
+    check_disk_dir(str(tmp_path / "new" / "deeper"))  # can be made; nothing made here
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^--disk-dir .*/file: exists and is not a directory$"):
+        check_disk_dir(str(tmp_path / "file"))
+    with pytest.raises(
+        ConfigError, match=r"^--disk-dir .*/file/sub: cannot make it: .*/file is not a directory$"
+    ):
+        check_disk_dir(str(tmp_path / "file" / "sub"))
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match=r"/ro is not writable by this user$"):
+            check_disk_dir(str(tmp_path / "ro" / "sub"))
+
+
+# --- the configuration file (--config) -------------------------------------------------
+def resolve(
+    argv: list[str], environ: dict[str, str] | None = None
+) -> tuple[ServerConfig, dict[str, str]]:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser, environ or {})
+    r = resolve_args(parser.parse_args(argv), parser, environ or {})
+    return r.config, dict(r.origins)
+
+
+def write(tmp_path: Path, text: str, name: str = "kvsvc.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_file_sets_what_flags_and_variables_leave(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'store_bytes = "2G"\ntransfer_threads = 4\nremote_timeout = 1.5\n'
+        'exit_on_fatal = true\nlog_format = "JSON"\ndisk_capacity = 1073741824\n'
+        'device = "cpu"\n',
+    )
+    env = {"KVSVC_TRANSFER_THREADS": "6", "KVSVC_DEVICE": "auto"}
+    config, origins = resolve(["--config", path, "--device", "cuda"], env)
+    assert config.data.store_bytes == 2 * GiB and origins["store_bytes"] == f"file {path}"
+    assert config.data.transfer_threads == 6 and origins["transfer_threads"] == (
+        "env KVSVC_TRANSFER_THREADS"
+    )  # the variable beats the file
+    assert config.data.device == "cuda" and origins["device"] == "flag --device"  # the flag both
+    assert config.tiers.remote_timeout == 1.5 and config.limits.exit_on_fatal is True
+    assert config.observability.log_format == "json"  # parsed as the flag is: canonical
+    assert config.tiers.disk_capacity == GiB
+    assert origins["listen"] == "default" and config.network.listen == "127.0.0.1:50051"
+    # KVSVC_CONFIG names the file when --config does not.
+    assert resolve([], {CONFIG_ENV: path})[0].data.store_bytes == 2 * GiB
+
+
+BAD_FILES = [
+    ('store_bytes = "inf"', r"store_bytes: not a size: 'inf'"),
+    ("store_bytes = inf", r"store_bytes: expected a number or a string such as \"1G\", not inf"),
+    ("store_bytes = nan", r"store_bytes: expected .*, not nan"),
+    ("remote_timeout = inf", r"remote_timeout: expected .*, not inf"),
+    ('remote_timeout = "nan"', r"remote_timeout: value must be finite"),
+    ('store_byte = "1G"', r"store_byte: unknown setting \(did you mean store_bytes\?\)$"),
+    ('store-bytes = "1G"', r"store-bytes: unknown setting \(did you mean store_bytes\?\)$"),
+    ("frobnicate = 1", r"frobnicate: unknown setting$"),
+    ('[network]\nlisten = "h:1"', r"network: unknown table: settings are top-level keys"),
+    ("exit_on_fatal = 1", r"exit_on_fatal: expected true or false, not an integer"),
+    ("transfer_threads = true", r"transfer_threads: expected .*, not a boolean"),
+    ("store_bytes = [1]", r"store_bytes: expected .*, not an array"),
+    ("shm_dir = 1979-05-27", r"shm_dir: expected a string, not a TOML date"),
+    ("transfer_threads = 2.5", r"transfer_threads: not a whole number: '2.5'"),
+    ('listen = "h:99999"', r"listen: port must be 1-65535"),
+    ("store_bytes = ", r"not valid TOML: .*line 1"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_FILES)
+def test_a_bad_file_is_one_line_naming_the_file_the_key_and_why(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as ei:
+        read_config_file(path)
+    line = str(ei.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: ")
+    assert re.search(message, line), line
+
+
+def test_a_missing_file_is_named_with_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--config .*/none.toml: No such file or directory$"):
+        resolve(["--config", str(tmp_path / "none.toml")])
+
+
+def test_the_effective_configuration_reads_back_as_itself(tmp_path: Path) -> None:
+    """--print-config's TOML is a file --config reads back to the same values, every
+    setting once, each with its source."""
+    path = write(tmp_path, 'store_bytes = "3G"\nremote = "redis://kv@h:6379/2"\n')
+    env = {"KVSVC_REMOTE_TIMEOUT": "0.25", "KVSVC_SOCKET_GROUP": 'we"ird\\grp\x7f'}
+    config, origins = resolve(["--config", path, "--exit-on-fatal", "--shm-dir", "/tmp/é"], env)
+    text = effective_toml(Resolved(config, origins))
+    data = tomllib.loads(text)
+    assert sorted(data) == sorted(SETTINGS) and len(data) == len(SETTINGS)
+    assert data["store_bytes"] == "3G" and data["exit_on_fatal"] is True
+    back = write(tmp_path, text, "back.toml")
+    assert resolve(["--config", back])[0] == config
+    lines = {line.split(" = ")[0]: line for line in text.splitlines() if " = " in line}
+    assert lines["store_bytes"].endswith(f"# file {path}")
+    assert lines["remote_timeout"].endswith("# env KVSVC_REMOTE_TIMEOUT")
+    assert lines["exit_on_fatal"].endswith("# flag --exit-on-fatal")
+    assert lines["listen"].endswith("# default")
+
+
+def test_the_printed_configuration_holds_no_secret(tmp_path: Path) -> None:
+    """Secrets are only ever files a setting names (a password in --remote is refused);
+    a setting that shows a value redacts it, and print-config shows values as that."""
+    secret = "hunter2-do-not-print"
+    (tmp_path / "pw").write_text(secret)
+    config, origins = resolve(
+        ["--remote", "rediss://kv@h:6380", "--remote-password-file", str(tmp_path / "pw")]
+    )
+    text = effective_toml(Resolved(config, origins))
+    assert secret not in text and str(tmp_path / "pw") in text
+    assert SETTINGS["remote"].show("redis://u:pw@h:1") == "redis://u:***@h:1"

@@ -1,6 +1,7 @@
-"""The server's configuration: every setting declared once (settings), the flags and
-KVSVC_* variables generated from the declarations (sources), the checks against this
-host before serving (checks), value parsers (values), and fixed limits (constants)."""
+"""The server's configuration: every setting declared once (settings), the flags,
+KVSVC_* variables and configuration file read from the declarations (sources), the
+checks against this host before serving (host), value parsers (values), README's
+tables (docs), and fixed limits (constants)."""
 
 from kvsvc.server.config.constants import (
     FD_LEASES_MAX,
@@ -24,6 +25,7 @@ from kvsvc.server.config.constants import (
 )
 from kvsvc.server.config.host import (
     TOKEN_FILE_ENV,
+    check_disk_dir,
     check_host,
     check_listen,
     check_remote_tls,
@@ -49,10 +51,20 @@ from kvsvc.server.config.settings import (
     TierSettings,
     env_name,
 )
-from kvsvc.server.config.sources import add_server_arguments, config_from_args, parse_server_config
+from kvsvc.server.config.sources import (
+    CONFIG_ENV,
+    Resolved,
+    add_server_arguments,
+    config_from_args,
+    effective_toml,
+    parse_server_config,
+    read_config_file,
+    resolve_args,
+)
 from kvsvc.server.config.values import REMOTE_SCHEMES, format_size, redact_url, shm_owner_uids
 
 __all__ = [
+    "CONFIG_ENV",
     "FD_LEASES_MAX",
     "FD_PEERS_MAX",
     "FD_PEER_TIMEOUT_S",
@@ -80,11 +92,13 @@ __all__ = [
     "LimitSettings",
     "NetworkSettings",
     "ObservabilitySettings",
+    "Resolved",
     "SecuritySettings",
     "ServerConfig",
     "Setting",
     "TierSettings",
     "add_server_arguments",
+    "check_disk_dir",
     "check_host",
     "check_listen",
     "check_remote_tls",
@@ -92,14 +106,17 @@ __all__ = [
     "check_shm_dir",
     "check_unix_socket",
     "config_from_args",
+    "effective_toml",
     "env_name",
     "format_size",
     "grpc_socket",
     "is_local_address",
     "parse_server_config",
+    "read_config_file",
     "read_token_file",
     "redact_url",
     "remote_password",
+    "resolve_args",
     "shm_owner_uids",
     "socket_gid",
 ]

@@ -126,6 +126,8 @@ def check_host(config: ServerConfig) -> None:
         _check_path_length("--listen", path)
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ConfigError(f"--listen {net.listen}: {path} exists and is not a socket")
+    if config.tiers.disk_dir:
+        check_disk_dir(config.tiers.disk_dir)
     _check_memory(data.store_bytes)
     if data.device == "cuda":
         import torch  # only here: importing it costs a second or two
@@ -286,6 +288,26 @@ def check_shm_dir(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: {what}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: not writable by this user")
+
+
+def check_disk_dir(path: str) -> None:
+    """--disk-dir: a directory this user may write in, or one it may make (the tier
+    makes it at start; nothing is made here)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"--disk-dir {path}: exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"--disk-dir {path}: not writable by this user")
+        return
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"--disk-dir {path}: cannot make it: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--disk-dir {path}: cannot make it: {ancestor} is not writable by this user"
+        )
 
 
 def check_listen(config: ServerConfig) -> None:

@@ -18,7 +18,7 @@ class ConfigError(Exception):
     use), found before serving: ``kvsvc serve`` prints it as one line, exits 2."""
 
 
-def _show(value: object) -> str:
+def default_show(value: object) -> str:
     """A value as written unless its setting says otherwise: on/off, 10, none (empty)."""
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -40,7 +40,7 @@ class Setting:
     help: str
     note: str = ""
     env: str = ""
-    shows: Callable[[Any], str] = _show
+    shows: Callable[[Any], str] = default_show
 
     def __post_init__(self) -> None:
         if not self.env and self.name:
@@ -75,7 +75,7 @@ def setting(
     *,
     note: str = "",
     env: str = "",
-    shows: Callable[[Any], str] = _show,
+    shows: Callable[[Any], str] = default_show,
 ) -> Any:
     """Declare a setting as a settings-dataclass field (its name and group come from
     the field and the class: see ``declared``)."""

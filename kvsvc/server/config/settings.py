@@ -27,6 +27,7 @@ from kvsvc.server.config.values import (
     port,
     positive_float,
     positive_int,
+    redact_url,
     remote_url,
     shm_uids,
     size_or_off,
@@ -138,6 +139,7 @@ class TierSettings:
         "shared remote tier: `redis://[USER@]HOST:PORT[/DB]`, `rediss://` (TLS), "
         "`redis+cluster://` or `rediss+cluster://` (Redis Cluster, any node), or `off`; "
         "best-effort: a Redis failure is a miss",
+        shows=redact_url,  # a password never shows (the URL refuses one; kept if that changes)
     )
     remote_password_file: str = setting(
         "",

@@ -4,6 +4,7 @@ the server uses, or ``argparse.ArgumentTypeError`` saying what was expected."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pwd
 from collections.abc import Callable
@@ -23,9 +24,13 @@ def parse_size(text: str) -> int:
     if s and s[-1] in _SIZE_UNITS:
         mult, s = _SIZE_UNITS[s[-1]], s[:-1]
     try:
-        value = int(float(s) * mult)
+        number = float(s) * mult
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    # float() reads 'inf', 'nan' and '1e400' too: no byte count.
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a finite number of bytes)")
+    value = int(number)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0: {text!r}")
     return value
@@ -127,6 +132,25 @@ def listen_address(text: str) -> str:
             f"an IPv6 host goes in brackets ([::1]:50051), got {text!r}"
         )
     port(port_text)
+    return text
+
+
+def target_address(text: str) -> str:
+    """A server to dial: HOST:PORT ([IPv6]:PORT, port 1-65535) or unix:PATH. gRPC
+    would dial a bare host on port 443, which no kvsvc serves."""
+    if text.startswith("unix:"):
+        return listen_address(text)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or (":" in host and not host.endswith("]")):
+        bare = text.strip("[]")
+        example = f"[{bare}]:50051" if ":" in bare else f"{bare}:50051"
+        raise argparse.ArgumentTypeError(
+            f"no port in {text!r}: give HOST:PORT (the server's default port is 50051: "
+            f"{example}) or unix:PATH"
+        )
+    listen_address(text)
+    if port(port_text) == 0:
+        raise argparse.ArgumentTypeError(f"port 0 in {text!r}: give the port the server listens on")
     return text
 
 

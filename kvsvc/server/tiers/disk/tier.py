@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvsvc.server.config import ConfigError, ServerConfig
+from kvsvc.server.config import ConfigError, ServerConfig, check_disk_dir
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
 from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
@@ -140,6 +140,7 @@ class DiskTier(Tier):
     def start(self, ready: Callable[[], None]) -> None:
         """Check the directory now (ConfigError if unusable), rebuild the index on a
         thread; ``ready`` runs on the loop once it is in place."""
+        check_disk_dir(self.root)  # what cannot be a writable directory, named
         try:
             prepare(self.root)
         except OSError as exc:
