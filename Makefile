@@ -16,7 +16,7 @@ BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 .DEFAULT_GOAL := install
 
 # Says what it installs as it goes: the first run takes minutes, mostly torch.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	@test -x $(PY) || { echo "make: creating $(VENV)"; python3 -m venv $(VENV); }
 	@if $(PY) -c "import torch" 2>/dev/null; then echo "make: keeping the torch in $(VENV)"; \
 	  else echo "make: installing $(TORCH_SPEC) into $(VENV) (the slow step: a minute or more)"; \
@@ -28,24 +28,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed native
 
-# The native copy loop (copy + CRC-32C per segment, one GIL-free call per task):
-# only cc and libc headers (~1 s); without a compiler kvsvc runs the same loop in Python.
-# Built aside and renamed: a running server keeps the library it mapped.
-NATIVE_SO := kvsvc/server/data/native/libkvsvc_copy.so
-# The presence index's table (a CPython extension: it reads lists of bytes in C);
-# without a compiler or Python's headers the client uses its Python table.
-PRESENCE_SO := kvsvc/client/native/_presence.so
-native: $(NATIVE_SO) $(PRESENCE_SO)
-$(PRESENCE_SO): kvsvc/client/native/presence.c
-	@inc=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])'); \
-	  if command -v $(CC) >/dev/null && [ -f "$$inc/Python.h" ]; then \
-	    echo "$(CC) -O3 -shared -fPIC -I$$inc -o $@ $<"; \
-	    $(CC) -O3 -Wall -Wextra -shared -fPIC -I"$$inc" -o $@.tmp $< && mv $@.tmp $@; \
-	  else echo "make: no C compiler ($(CC)) or Python.h: the presence index uses its Python table"; fi
-$(NATIVE_SO): kvsvc/server/data/native/copyloop.c
-	@if command -v $(CC) >/dev/null; then echo "$(CC) -O3 -shared -fPIC -o $@ $<"; \
-	  $(CC) -O3 -Wall -Wextra -shared -fPIC -o $@.tmp $< && mv $@.tmp $@; \
-	  else echo "make: no C compiler ($(CC)): kvsvc copies with its Python loop"; fi
+# The native copy loop (copy + CRC-32C per segment, one GIL-free call per task) and
+# the presence index's table, built in place by the package build itself (setup.py:
+# the same compiler flags a wheel or `pip install .` uses), ~2 s with cc and Python's
+# headers; without them the build says so and kvsvc runs its Python loops. A rebuilt
+# library is renamed over the old one: a running server keeps the one it mapped.
+native: $(VENV)/.installed
+	$(PY) setup.py -q build_ext --inplace
 
 serve: install
 	@echo "make serve: $(VENV)/bin/kvsvc serve (Ctrl-C stops it); then, in another terminal:" \
@@ -112,7 +101,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 # then the benchmarks outside it that take --smoke (~45 s).
 bench-smoke: $(VENV)/.bench-installed native
 	$(PY) -m benchmarks.run --smoke --out bench-results/smoke
-	for b in call_cost auth_cost copy_loop inline_flood; do \
+	for b in call_cost auth_cost copy_loop inline_flood stats_cost; do \
 	  $(PY) -m benchmarks.$$b --smoke >/dev/null || { echo "benchmarks.$$b --smoke failed"; exit 1; }; \
 	done
 

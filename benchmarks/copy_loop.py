@@ -9,6 +9,10 @@ threads), which a loaded machine disturbs far less than wall time: on a shared
 2-core machine the wall figures of all three move together with the load.
 
     python -m benchmarks.copy_loop [--rounds 7] [--chunk-blocks 1 16] [--smoke]
+        [--also LABEL=PATH ...]
+
+``--also`` measures other builds of the same loop in the same rounds, e.g. a
+wheel's (``LABEL=<venv>/.../native/_copyloop.*.so``) beside this checkout's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -81,7 +86,12 @@ def plain_copy(engine: torch.Tensor, chunk: torch.Tensor) -> Callable[[bool], Ca
     return make
 
 
-def run(rounds: int, chunk_blocks: list[int]) -> list[tuple]:
+def run(
+    rounds: int, chunk_blocks: list[int], also: dict[str, copies.NativeCopy] | None = None
+) -> tuple[list[str], list[tuple]]:
+    """(the kinds measured, one row per op and chunk size)."""
+    also = also or {}
+    kinds = [KINDS[0], *also, *KINDS[1:]]
     torch.set_num_threads(THREADS)
     tmp = tempfile.mkdtemp(prefix="kvsvc-copyloop-")
     broker = FdBroker(os.path.join(tmp, "fd.sock"))
@@ -108,11 +118,15 @@ def run(rounds: int, chunk_blocks: list[int]) -> list[tuple]:
             plain = plain_copy(src[:nbytes], buf.tensor)
             reps = max(2, (256 << 20) // nbytes)
             for op, to_store in (("store", True), ("retrieve", False)):
-                got: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
+                got: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
                 kvsvc(True)()  # checksums for the retrieves
                 for _ in range(rounds):
                     copies.NATIVE = native
                     got["native"].append(measure(kvsvc(to_store), nbytes, reps))
+                    for label, lib in also.items():
+                        copies.NATIVE = lib
+                        got[label].append(measure(kvsvc(to_store), nbytes, reps))
+                    copies.NATIVE = native
                     if native is not None:
                         streaming = native.streaming
                         native.stream(False)
@@ -126,7 +140,7 @@ def run(rounds: int, chunk_blocks: list[int]) -> list[tuple]:
                 med = {k: (statistics.median(g for g, _ in v), statistics.median(c for _, c in v))
                        if v else nan for k, v in got.items()}  # fmt: skip
                 rows.append((op, f"{nbytes >> 20} MiB", *(
-                    f"{med[k][0]:.2f} / {med[k][1]:.3f}" for k in KINDS),
+                    f"{med[k][0]:.2f} / {med[k][1]:.3f}" for k in kinds),
                     f"{med['native'][0] / med['torch'][0]:.2f}",
                     f"{med['python'][0] / med['torch'][0]:.2f}",
                     f"{med['torch'][1] / med['native'][1]:.2f}",
@@ -137,7 +151,7 @@ def run(rounds: int, chunk_blocks: list[int]) -> list[tuple]:
         mapping.close()
         cache.close()
         broker.close()
-    return rows
+    return kinds, rows
 
 
 def main() -> None:
@@ -145,14 +159,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunk-blocks", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
+    ap.add_argument(
+        "--also", nargs="*", default=[], metavar="LABEL=PATH",
+        help="another build of the copy loop to measure beside this checkout's",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.chunk_blocks = 1, [1]
+    also = {}
+    for spec in args.also:
+        label, _, path = spec.partition("=")
+        also[label] = copies.NativeCopy(Path(path))
+        print(f"{label}: {path}")
+    print(f"native: {copies.native_path()}; {copies.copy_loop()}")
     print(f"load before: {os.getloadavg()}; native loop: {copies.NATIVE is not None}")
-    rows = run(args.rounds, args.chunk_blocks)
+    _, rows = run(args.rounds, args.chunk_blocks, also)
     print(md_table(
-        ["op", "chunk", "native GB/s / CPU s/GB", "native, cached stores", "python loop",
-         "torch copy",
+        ["op", "chunk", "native GB/s / CPU s/GB", *(f"{k} GB/s / CPU s/GB" for k in also),
+         "native, cached stores", "python loop", "torch copy",
          "native/torch (wall)", "python/torch (wall)", "torch CPU / native CPU"], rows,
     ))  # fmt: skip
     print(f"load after: {os.getloadavg()}; medians of {args.rounds} alternating rounds")

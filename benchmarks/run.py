@@ -317,7 +317,7 @@ def report(args: argparse.Namespace, results: dict[str, Any], info: dict[str, st
         f"# kvsvc benchmarks ({mode} run)",
         "",
         f"`python -m benchmarks.run{flag} --out {args.out}`, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
         f"{(time.monotonic() - started) / 60:.1f} min, kvsvc at {git_state()}.",
         "",
         f"Machine: {machine_line(info)}.",

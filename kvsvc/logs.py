@@ -11,7 +11,7 @@ import contextvars
 import json
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 #: The request being handled in the current task; "" outside a request.
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvsvc_request_id", default="")
@@ -42,7 +42,7 @@ class _RequestIdFilter(logging.Filter):
 def iso_time(created: float) -> str:
     """ISO-8601 in UTC with its offset and milliseconds (2026-01-02T03:04:05.678+00:00),
     which log pipelines parse without guessing the server's time zone."""
-    return datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
 
 
 class _JsonFormatter(logging.Formatter):

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs the clients the way their ecosystems do, outside the repository, and
 # runs them against a live server:
-#   1. Python: `python -m build` makes a wheel and an sdist; the wheel goes into
-#      an empty venv in a temp dir (torch as TORCH_SPEC, from pip's configured
-#      index), whose `kvsvc serve` then listens on a unix socket and whose
+#   1. Python: `python -m build` makes a wheel and an sdist; the wheel must carry
+#      the native copy loop and presence table (setup.py's extensions); it goes
+#      into an empty venv in a temp dir (torch as TORCH_SPEC, from pip's
+#      configured index), which must use both, and whose `kvsvc serve` (its start
+#      line naming the native copy loop) then listens on a unix socket and whose
 #      `kvsvc demo` runs against it twice (shm files, then sealed memfds over
-#      the socket dir); then a wheel built from the sdist replaces it and the
-#      demo runs again.
+#      the socket dir); a wheel built without a compiler (CC=false) installs and
+#      names the Python loop and why; then a wheel built from the sdist replaces
+#      it, native again, and the demo runs again.
 #   2. Node: `npm pack` (the tarball carries proto/), `npm install <tarball>` in
 #      an empty directory, and the README's example program against that server.
 #   3. Go: the module path in go.mod is the one the README documents (the code
@@ -48,6 +51,31 @@ timeout 600 "$VENV/bin/python" -m build --outdir "$WORK/dist" . >"$WORK/build.lo
 wheel=$(ls "$WORK"/dist/kvsvc-*.whl)
 sdist=$(ls "$WORK"/dist/kvsvc-*.tar.gz)
 echo "built $(basename "$wheel") and $(basename "$sdist")"
+# The wheel's native modules, named for the interpreter that will import them.
+"$VENV/bin/python" - "$wheel" <<'PY'
+import importlib.machinery, sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+for mod in ("kvsvc/server/data/native/_copyloop", "kvsvc/client/native/_presence"):
+    assert mod + suffix in names, f"check_packages: the wheel lacks {mod}{suffix}"
+    print(f"ok: the wheel carries {mod}{suffix}")
+PY
+
+# Which copy loop and presence table the installed kvsvc uses: "native native
+# <why>", or "python python <why>" (run outside the repository).
+loops() {
+  "$PY" -c 'from kvsvc.server.data.copies import copy_loop
+from kvsvc.client.native import NATIVE
+name, why = copy_loop()
+print(name, "native" if NATIVE else "python", why)'
+}
+expect_native() {
+  local got
+  got=$(loops)
+  [[ "$got" == "native native "* ]] ||
+    { echo "check_packages: $1 runs copy loop / presence table: $got" >&2; exit 1; }
+  echo "ok: $1 runs the native copy loop and presence table ($got)"
+}
 
 step "the wheel in an empty venv, outside the repository"
 base_python=$("$VENV/bin/python" -c 'import sys; print(sys._base_executable)')
@@ -59,6 +87,7 @@ cd "$WORK"  # nothing of the repository on sys.path from here
 where=$("$PY" -c 'import kvsvc; print(kvsvc.__file__)')
 [[ "$where" == "$WORK/venv/"* ]] || { echo "check_packages: kvsvc imported from $where" >&2; exit 1; }
 echo "kvsvc $("$WORK/venv/bin/kvsvc" --version) from $where"
+expect_native "the wheel"
 
 mkdir -p "$WORK/shm"
 sock="$WORK/kvsvc.sock"
@@ -71,6 +100,12 @@ for _ in $(seq 1200); do
   sleep 0.1
 done
 grep -q "serving on" "$WORK/server.log" || { echo "server did not start" >&2; exit 1; }
+grep -q "serving on .*copy loop native: built with the package" "$WORK/server.log" || {
+  grep "serving on" "$WORK/server.log" >&2
+  echo "check_packages: the server does not name the native copy loop" >&2
+  exit 1
+}
+echo "ok: the wheel's server says: $(grep -o "copy loop native: [^,]*" "$WORK/server.log")"
 
 demo() {
   local what=$1
@@ -86,11 +121,22 @@ demo() {
 demo "wheel, shm files"
 demo "wheel, sealed memfds" --memfd
 
+step "without a C compiler: the sdist still installs, on the Python loops, and says why"
+CC=false timeout 600 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps \
+  -w "$WORK/no-cc" "$sdist" 2> >(quiet_pip)
+timeout 300 "$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall \
+  "$WORK"/no-cc/kvsvc-*.whl 2> >(quiet_pip)
+got=$(loops)
+[[ "$got" == "python python the native loop was not built when kvsvc was installed"* ]] ||
+  { echo "check_packages: without a compiler: $got" >&2; exit 1; }
+echo "ok: built with CC=false, kvsvc runs: $got"
+
 step "the sdist: built into a wheel, installed over it"
 timeout 600 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WORK/from-sdist" \
   "$sdist" 2> >(quiet_pip)
 timeout 300 "$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall \
   "$WORK"/from-sdist/kvsvc-*.whl 2> >(quiet_pip)
+expect_native "the sdist's wheel"
 demo "sdist" --memfd
 cd "$REPO"
 

@@ -312,6 +312,13 @@ def server_stack(run: Run, server: str, grace: float) -> None:
         raise Failed(f"no container for {server}")
     run.wait_health(cid, "healthy", 240)
     run.figure("up -d -> healthy (server only)", f"{time.monotonic() - t0:.1f} s")
+    logs = run.podman("logs", cid)
+    start = [x for x in (logs.stdout + logs.stderr).splitlines() if "serving on" in x]
+    run.check(
+        bool(start) and "copy loop native:" in start[0],
+        "the image's server copies with the native loop its package build made",
+        start[:1] or "no start line",
+    )
 
     hc = run.podman("healthcheck", "run", cid, timeout=60)
     run.check(

@@ -3,6 +3,7 @@ made kvsvc/v1 (an older runtime refuses, or worse, misreads, newer code)."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import re
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def _floor(deps: list[str], name: str) -> tuple[int, ...]:
 
 
 def test_runtime_floors_cover_the_generated_code() -> None:
-    text = (REPO / "pyproject.toml").read_text()  # (tomllib is 3.11+; we support 3.10)
+    text = (REPO / "pyproject.toml").read_text()
     deps = re.findall(
         r'^\s*"([^"]+)",', text.split("dependencies = [", 1)[1].split("]", 1)[0], re.M
     )
@@ -44,7 +45,8 @@ def test_runtime_floors_cover_the_generated_code() -> None:
 
 def test_the_wheel_holds_the_package_and_nothing_beside_it(tmp_path: Path) -> None:
     """The package sits at the repository root beside benchmarks/, tests/ and tools/:
-    the wheel must hold exactly kvsvc/ (its modules, generated code and stubs)."""
+    the wheel must hold exactly kvsvc/ (its modules, generated code and stubs) and
+    the two native modules the package build compiles (setup.py)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path), str(REPO)],
@@ -57,6 +59,11 @@ def test_the_wheel_holds_the_package_and_nothing_beside_it(tmp_path: Path) -> No
         p.relative_to(REPO).as_posix()
         for p in (REPO / "kvsvc").rglob("*")
         if p.suffix in (".py", ".pyi", ".typed") and "__pycache__" not in p.parts
+    }
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    expected |= {
+        f"kvsvc/server/data/native/_copyloop{suffix}",
+        f"kvsvc/client/native/_presence{suffix}",
     }
     assert package == expected
     assert {"kvsvc/py.typed", "kvsvc/v1/kv_cache_service_pb2.pyi"} <= package

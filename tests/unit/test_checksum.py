@@ -147,11 +147,38 @@ def test_a_native_copy_lets_other_threads_run(native: copies.NativeCopy) -> None
     assert max(moved) > 0, moved
 
 
-def test_a_missing_or_broken_library_means_the_python_loop(tmp_path) -> None:
-    assert copies.load_native(tmp_path / "libkvsvc_copy.so") is None
+def test_a_missing_or_broken_library_means_the_python_loop_and_says_why(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(copies, "NATIVE", None)
+    monkeypatch.setattr(copies, "_WHY_NOT", "")
+    assert copies.copy_loop() == ("python", "the native loop is turned off in this process")
+    assert copies.native_path(tmp_path) is None
+    assert copies.load_native(tmp_path / "_copyloop.so") is None
+    name, why = copies.copy_loop()
+    assert name == "python" and "not built when kvsvc was installed" in why
     bad = tmp_path / "bad.so"
     bad.write_bytes(b"not a shared object")
     assert copies.load_native(bad) is None
+    name, why = copies.copy_loop()
+    assert name == "python" and why.startswith("cannot load bad.so (")
+
+
+def test_the_package_builds_copy_loop_is_found_by_this_interpreters_suffix(tmp_path) -> None:
+    """setup.py builds it as an extension module's file (no PyInit): the name
+    carries the interpreter's suffix, and the one this interpreter would import wins."""
+    import importlib.machinery
+
+    for suffix in reversed(importlib.machinery.EXTENSION_SUFFIXES):
+        (tmp_path / f"_copyloop{suffix}").write_bytes(b"")
+    best = importlib.machinery.EXTENSION_SUFFIXES[0]
+    assert copies.native_path(tmp_path) == tmp_path / f"_copyloop{best}"
+
+
+def test_copy_loop_names_the_native_loop_and_its_crc_path(native: copies.NativeCopy) -> None:
+    name, why = copies.copy_loop()
+    assert name == "native"
+    assert why.endswith(copies.CRC_PATHS[native.level])
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["non-temporal", "cached"])

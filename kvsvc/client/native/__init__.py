@@ -1,5 +1,6 @@
-"""The presence index's key table: the compiled one (``presence.c``, built by
-``make native``) where it was built, else :class:`PyTable` with the same answers."""
+"""The presence index's key table: the compiled one (``presence.c``, built by the
+package build; ``make native`` in place) where it was built, else :class:`PyTable`
+with the same answers."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@
  * call would first need the keys joined in Python. Every call holds the GIL from
  * start to end, so one call is atomic for other threads.
  *
- * Built by `make native` into _presence.so next to this file; without it
- * kvsvc.client.presence uses its pure-Python table (same answers, slower).
+ * Built by the package build (setup.py; `make native` in place) into
+ * _presence.<suffix>.so next to this file; without it kvsvc.client.presence
+ * uses its pure-Python table (same answers, slower).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

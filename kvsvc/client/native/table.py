@@ -143,8 +143,12 @@ def _bit(bit: int) -> int:
 def _load_native() -> Any:
     try:
         return importlib.import_module("kvsvc.client.native._presence").Table
-    except ImportError as exc:  # not built (no compiler): the Python table answers
-        log.info("presence index: native table not built (%s); using the Python table", exc)
+    except ImportError as exc:  # not built (no compiler at install): the Python table answers
+        log.info(
+            "presence index: the native table was not built when kvsvc was installed (%s); "
+            "using the Python table",
+            exc,
+        )
         return None
 
 
@@ -159,7 +163,10 @@ def new_table(native: bool | None = None) -> KeyTable:
         native = NATIVE
     if native:
         if _NativeTable is None:
-            raise RuntimeError("the native presence table is not built (make native)")
+            raise RuntimeError(
+                "the native presence table is not built (install kvsvc with a C compiler, "
+                "or `make native` in a checkout)"
+            )
         table: KeyTable = _NativeTable()
         return table
     return PyTable()

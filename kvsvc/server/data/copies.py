@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import importlib.machinery
 import logging
 import threading
 from collections.abc import Callable
@@ -76,14 +77,13 @@ def checksum(view: memoryview | bytes) -> int:
 
 
 class NativeCopy:
-    """The compiled copy loop (``kvsvc/server/data/native/copyloop.c``, built by ``make``): one
-    call copies a run of segments between an engine's sealed memfd and a chunk and
-    checksums each, with the GIL released for the whole call (ctypes drops it), so
-    a copy thread takes the GIL once per task instead of twice per segment."""
+    """The compiled copy loop (``kvsvc/server/data/native/copyloop.c``, built by the
+    package build, setup.py; ``make native`` in place): one call copies a run of
+    segments between an engine's sealed memfd and a chunk and checksums each, with the
+    GIL released for the whole call (ctypes drops it), so a copy thread takes the GIL
+    once per task instead of twice per segment."""
 
-    PATH = Path(__file__).with_name("native") / "libkvsvc_copy.so"
-
-    def __init__(self, path: Path = PATH) -> None:
+    def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         u32, vp, size = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t
         lib.kvsvc_crc32c_init.restype = ctypes.c_int
@@ -160,18 +160,55 @@ class NativeCopy:
         return failed, got.value
 
 
-def load_native(path: Path = NativeCopy.PATH) -> NativeCopy | None:
-    """The native copy loop, or None (the Python loop then does the same work)."""
-    if not path.exists():
-        log.info("%s is not built (make builds it): copies run the Python loop", path.name)
+#: The package build's name for the copy loop: a C library (no PyInit) in an
+#: extension module's place, named with this interpreter's extension suffix.
+NATIVE_NAME = "_copyloop"
+#: What the CRC of each level runs on (NativeCopy.level).
+CRC_PATHS = ("CRC tables (no crc32 instruction)", "the crc32 instruction", "VPCLMULQDQ folding")
+
+
+NATIVE_DIR = Path(__file__).with_name("native")
+
+
+def native_path(directory: Path = NATIVE_DIR) -> Path | None:
+    """Where the package build put the copy loop, if it did."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{NATIVE_NAME}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def load_native(path: Path | None = None) -> NativeCopy | None:
+    """The native copy loop, or None (the Python loop then does the same work); why
+    is kept for :func:`copy_loop`."""
+    global _WHY_NOT
+    path = path or native_path()
+    if path is None or not path.exists():
+        _WHY_NOT = (
+            "the native loop was not built when kvsvc was installed (no C compiler then?): "
+            "reinstall with cc present, or `make native` in a checkout"
+        )
+        log.info("copy loop: %s; copies run the Python loop", _WHY_NOT)
         return None
     try:
         return NativeCopy(path)
-    except OSError as exc:
-        log.warning("cannot load %s (%s): copies run the Python loop", path, exc)
+    except (OSError, AttributeError) as exc:  # AttributeError: a symbol missing
+        _WHY_NOT = f"cannot load {path.name} ({exc})"
+        log.warning("copy loop: %s; copies run the Python loop", _WHY_NOT)
         return None
 
 
+def copy_loop() -> tuple[str, str]:
+    """Which copy loop runs copies in this process and why: ("native", what it runs
+    on) or ("python", why not native), for the start line and GetServerInfo."""
+    native = NATIVE
+    if native is not None:
+        return "native", f"built with the package; CRC-32C on {CRC_PATHS[min(native.level, 2)]}"
+    return "python", _WHY_NOT or "the native loop is turned off in this process"
+
+
+_WHY_NOT = ""
 #: The loaded native copy loop; None runs every copy in Python (tests set it).
 NATIVE: NativeCopy | None = load_native()
 

@@ -75,7 +75,7 @@ class Within:
     def __await__(self) -> Any:
         if self.deadline <= monotonic():  # as wait_for: no time, no start
             self.coro.close()
-            raise asyncio.TimeoutError
+            raise TimeoutError
         ctx = contextvars.copy_context()
         try:
             first = ctx.run(self.coro.send, None)

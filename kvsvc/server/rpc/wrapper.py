@@ -190,7 +190,7 @@ async def _bounded(
     # error (they keep a reply budget); this only catches what does not.
     try:
         return await Within(work, call.deadline + grace)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if monotonic() < call.deadline - 0.1:
             raise  # the handler's own TimeoutError, not the deadline's
         state = NO_TRANSFER

@@ -2,8 +2,10 @@
  * mapped blocks and a chunk in the store, and CRC-32C each segment while it
  * is in cache, in one call. Loaded with ctypes (which drops the GIL for the
  * whole call), so a copy thread takes the GIL once per task, not twice per
- * segment. Only libc and the compiler's own headers: `make` builds it on a
- * fresh machine; kvsvc/copies.py falls back to Python when it is missing.
+ * segment. Only libc and the compiler's own headers: the package build
+ * (setup.py, as an extension module's file without PyInit) builds it wherever
+ * there is a C compiler; kvsvc/server/data/copies.py falls back to Python when
+ * it is missing.
  *
  * CRC-32C (Castagnoli, reflected 0x82F63B78), the same value as the `crc32c`
  * package's crc32c(data): with AVX-512 VPCLMULQDQ on x86-64, carry-less

@@ -117,7 +117,7 @@ class Fetches(Connections):
         fut.add_done_callback(lambda _: run.reader_done())
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(budget, 0.0))
-        except asyncio.TimeoutError:  # what arrived in time is kept; the rest is not read
+        except TimeoutError:  # what arrived in time is kept; the rest is not read
             self._count(self.errors, "budget")
             fut.add_done_callback(consume)
         except Skipped:  # failed (counted): what arrived before the failure is kept

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from typing import Any
 
 import redis.asyncio as aredis
@@ -20,11 +19,6 @@ from kvsvc.server.tiers.redis.health import CONNECTION, TIMEOUT, Skipped, consum
 from kvsvc.server.tiers.redis.links import Link, checked
 from kvsvc.server.tiers.redis.values import redis_keys
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
-else:  # redis-py depends on async-timeout below 3.11.3
-    from async_timeout import timeout as _deadline
 
 
 class Lookups(Connections):
@@ -195,7 +189,7 @@ class Lookups(Connections):
         if refused:
             raise Skipped(refused)
         try:
-            async with _deadline(self.timeout):
+            async with asyncio.timeout(self.timeout):
                 found = await self._exists(self._aredis(), rkeys)
         except Exception as exc:  # a Redis failure is a miss, counted
             self._failed(exc)

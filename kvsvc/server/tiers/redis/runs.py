@@ -19,7 +19,6 @@ keys are withdrawn only by the misses Lookup and Retrieve see."""
 from __future__ import annotations
 
 import asyncio
-import sys
 
 from kvsvc.server.config import REMOTE_RUN_CHECK_S
 from kvsvc.server.tiers.redis.connection import UNCONFIRMED_MAX
@@ -28,11 +27,6 @@ from kvsvc.server.tiers.redis.links import checked
 from kvsvc.server.tiers.redis.lookup import Lookups
 from kvsvc.server.tiers.redis.values import redis_key
 from kvsvc.v1 import kv_cache_service_pb2 as pb
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
-else:  # redis-py depends on async-timeout below 3.11.3
-    from async_timeout import timeout as _deadline
 
 #: Keys asked per EXISTS round trip when a restarted Redis' keys are rechecked.
 RUN_RECHECK_KEYS = 1024
@@ -134,7 +128,7 @@ class Runs(Lookups):
         if self._refused():
             return None
         try:
-            async with _deadline(self.timeout):
+            async with asyncio.timeout(self.timeout):
                 link = self._idle_link() or await self._link()
                 try:
                     reply = checked(await link.roundtrip([("INFO", "server")]))
