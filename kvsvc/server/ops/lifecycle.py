@@ -23,6 +23,7 @@ from kvsvc import __version__
 from kvsvc.errors import request_parser
 from kvsvc.limits import server_options
 from kvsvc.server.config import ConfigError, ServerConfig, grpc_socket, socket_gid
+from kvsvc.server.config.host import metrics_address
 from kvsvc.server.data import fdbroker
 from kvsvc.server.data.copies import copy_loop
 from kvsvc.server.ops.health import Health, Watchdog
@@ -66,6 +67,8 @@ class Server:
         self.servicer = KVCacheServicer(config, self.health)
         if self.auth is not None:
             self.auth.on_failure = self.servicer.metrics.observe_auth_failure
+            if self.auth.token_file:
+                self.servicer.metrics.watch_tenant_file(self.auth)
         self.grpc = grpc.aio.server(
             options=server_options(),
             interceptors=[AuthInterceptor(self.auth)] if self.auth is not None else None,
@@ -195,10 +198,10 @@ class Server:
             self.health,
         )
         self.watchdog.start()
-        if self.config.observability.metrics_port:
-            unix = self.config.network.listen.startswith("unix:")
-            host = "127.0.0.1" if unix else self.address.rsplit(":", 1)[0].strip("[]")
-            self.servicer.metrics.serve_http(self.config.observability.metrics_port, host)
+        metrics_at = metrics_address(self.config)
+        if metrics_at is not None:
+            self.servicer.metrics.serve_http(*metrics_at)
+            log.info("Prometheus metrics on http://%s:%d/metrics", *metrics_at)
         log.info(
             "kvsvc %s serving on %s (store %d bytes, device %s, copy loop %s: %s, start id %s; %s)",
             __version__,

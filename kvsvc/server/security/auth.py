@@ -267,6 +267,9 @@ class Authenticator:
         self.on_failure: Callable[[str], None] = lambda reason: None
         #: Session and WatchEvents streams, ended when their credentials stop resolving
         self.streams: OpenStreams[Tenant] = OpenStreams(self.resolve)
+        #: reloads so far, and whether the last one failed (kvsvc.server.ops.metrics)
+        self.reloads_ok = self.reloads_failed = 0
+        self.reload_failed = False
         if self.tables.plaintext:
             warn_if_exposed(token_file, "--auth-token-file", f"{self.tables.plaintext} plaintext")
 
@@ -278,9 +281,13 @@ class Authenticator:
         try:
             tables = load_tables(self.token_file)
         except TenantFileError as exc:
+            self.reloads_failed += 1
+            self.reload_failed = True
             log.error("tenant file not reloaded, the previous one stays in force: %s", exc)
             return False
         self.tables = tables
+        self.reloads_ok += 1
+        self.reload_failed = False
         log.info(
             "tenant file reloaded: %d tenants, %d tokens", len(tables.tenants), len(tables.tokens)
         )
