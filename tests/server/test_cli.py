@@ -489,9 +489,10 @@ def readme_config_table() -> dict[str, tuple[str, str]]:
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0].startswith("`--"):
-            default = re.findall(r"`([^`]*)`", cells[2])
-            rows[cells[0].strip("`")] = (cells[1].strip("`"), default[0] if default else cells[2])
+        if len(cells) >= 4 and cells[0].startswith("`--"):
+            assert cells[2] == "`" + cells[0].strip("`-").replace("-", "_") + "`"  # file key
+            default = re.findall(r"`([^`]*)`", cells[3])
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), default[0] if default else cells[3])
     return rows
 
 

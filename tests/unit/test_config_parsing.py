@@ -248,7 +248,7 @@ def test_readme_tables_are_generated_from_the_declarations() -> None:
     assert render_readme(text) == text, "run .venv/bin/python scripts/gen_settings.py"
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     for s in SETTINGS.values():
-        assert f"| `{s.flag}` | `{s.env}` |" in block
+        assert f"| `{s.flag}` | `{s.env}` | `{s.name}` |" in block
 
 
 def test_show_writes_settings_as_the_docs_do() -> None:
@@ -487,3 +487,19 @@ def test_the_printed_configuration_holds_no_secret(tmp_path: Path) -> None:
     text = effective_toml(Resolved(config, origins))
     assert secret not in text and str(tmp_path / "pw") in text
     assert SETTINGS["remote"].show("redis://u:pw@h:1") == "redis://u:***@h:1"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_tenant_file_with_nan_or_infinity_is_refused(tmp_path: Path, constant: str) -> None:
+    """Python's json reads them; a NaN expiry or limit would compare false with
+    everything (never expire, never limit). `serve --check` reads the file so."""
+    from kvsvc.server.security.auth import TenantFileError, load_tables
+
+    path = tmp_path / "tenants.json"
+    path.write_text(
+        '{"tenants": {"a": {"namespaces": ["*"], "tokens": [{"sha256": "'
+        + "0" * 64
+        + f'", "expires": {constant}}}]}}}}}}'
+    )
+    with pytest.raises(TenantFileError, match=f"^{path}: {constant} is not a number"):
+        load_tables(str(path))

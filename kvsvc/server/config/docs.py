@@ -1,6 +1,7 @@
-"""README's configuration table, written from the declarations (one table per
-concern) by scripts/gen_settings.py; tests/unit/test_config_parsing.py fails when
-README's copy drifts from them."""
+"""README's configuration tables, written from the declarations (one table per
+concern: each setting's flag, variable, configuration-file key and default) by
+scripts/gen_settings.py; tests/unit/test_config_parsing.py fails when README's copy
+drifts from them."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def settings_tables() -> str:
     parts: list[str] = []
     for g in GROUPS:
         parts += [f"**{g.title}**: {g.about[0].lower()}{g.about[1:]}", ""]
-        parts += ["| flag | env | default | |", "|---|---|---|---|"]
+        parts += ["| flag | env | `--config` key | default | |", "|---|---|---|---|---|"]
         for s in g.settings:
             help_cell = s.help.replace("|", "\\|")
-            parts.append(f"| `{s.flag}` | `{s.env}` | {default_cell(s)} | {help_cell} |")
+            parts.append(
+                f"| `{s.flag}` | `{s.env}` | `{s.name}` | {default_cell(s)} | {help_cell} |"
+            )
         parts.append("")
     return "\n".join(parts).rstrip("\n")
 

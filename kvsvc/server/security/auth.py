@@ -245,12 +245,18 @@ def parse_tables(data: object) -> Tables:
 def load_tables(path: str) -> Tables:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, parse_constant=lambda name: _no_constant(path, name))
     except OSError as exc:
         raise TenantFileError(f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise TenantFileError(f"{path} is not JSON: {exc}") from None
     return parse_tables(data)
+
+
+def _no_constant(path: str, name: str) -> float:
+    """Python's json reads NaN and Infinity, which JSON has not: a NaN expiry or limit
+    compares false with everything (never expires, never limits)."""
+    raise TenantFileError(f"{path}: {name} is not a number (JSON has no NaN or Infinity)")
 
 
 class Authenticator:
