@@ -109,12 +109,16 @@ class Load:
                     a.put("a/docs", [(b"k%d" % i, value)])
                     b.put("b/docs", [(b"k%d" % i, value)])
                     a.get("a/docs", b"k%d" % i)
-                    a.get_many("a/docs", [b"k0", b"k1"])  # early ones: evicted, from a tier
+                    # older ones were evicted: loaded back from the disk tier
+                    a.get_many("a/docs", [b"k%d" % max(0, i - 20)])
                     a.lookup([b"k%d" % i, b"none"], namespace="a/docs")
+                    # Refused at once, so cheap: enough of them even on a slow machine
+                    # for KvsvcAuthFailures' one a second.
+                    unknown_token = [lambda: stranger.lookup([b"k0"], namespace="a/docs")] * 4
                     for call in (
                         lambda: a.get("a/docs", b"never stored"),
                         lambda: a.get("b/docs", b"k0"),
-                        lambda: stranger.lookup([b"k0"], namespace="a/docs"),
+                        *unknown_token,
                     ):
                         with contextlib.suppress(KVServiceError):  # the outcome is counted
                             call()
@@ -323,9 +327,21 @@ def test_prometheus_evaluates_every_alert_rule(stack: Stack) -> None:
     assert not bad, bad
     for rule in rules:  # each expression evaluates (to firing series or none)
         stack.prom.api("query", query=rule["expr"])
-    # A healthy server under load raises none of them.
-    firing = [a for a in stack.prom.api("alerts")["alerts"] if a["state"] != "inactive"]
-    assert not firing, firing
+
+    # The load's refusals (a namespace not granted: one call in seven; an unknown
+    # token) raise these two, pending for their `for:`; nothing else rises.
+    def provoked() -> set[tuple[str, str]] | None:
+        active = stack.prom.api("alerts")["alerts"]
+        seen = {
+            (a["labels"]["alertname"], a["labels"].get("outcome") or a["labels"].get("reason"))
+            for a in active
+        }
+        return seen if len(seen) >= 2 else None
+
+    assert until("the load's alerts pending", provoked) == {
+        ("KvsvcErrorRatioHigh", "PERMISSION_DENIED"),
+        ("KvsvcAuthFailures", "unknown"),
+    }
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
