@@ -12,10 +12,10 @@ import socket
 import ssl
 import stat
 
-from kvsvc.limits import FD_SOCKET_NAME, GRPC_SOCKET_NAME, GiB
+from kvsvc.limits import FD_SOCKET_NAME, GRPC_SOCKET_NAME
+from kvsvc.server.config.memory import check_store_fits
 from kvsvc.server.config.setting import ConfigError
 from kvsvc.server.config.settings import ServerConfig
-from kvsvc.server.config.values import format_size
 
 #: A client's bearer token comes from a file (never argv, never a log line).
 TOKEN_FILE_ENV = "KVSVC_TOKEN_FILE"
@@ -128,7 +128,7 @@ def check_host(config: ServerConfig) -> None:
             raise ConfigError(f"--listen {net.listen}: {path} exists and is not a socket")
     if config.tiers.disk_dir:
         check_disk_dir(config.tiers.disk_dir)
-    _check_memory(data.store_bytes)
+    check_store_fits(data.store_bytes)
     if data.device == "cuda":
         import torch  # only here: importing it costs a second or two
 
@@ -147,19 +147,6 @@ def _check_tls_files(config: ServerConfig) -> None:
         check_pem(("--tls-cert", sec.tls_cert), ("--tls-key", sec.tls_key))
     if sec.tls_client_ca and os.access(sec.tls_client_ca, os.R_OK):
         check_pem(ca=("--tls-client-ca", sec.tls_client_ca))
-
-
-def _check_memory(store_bytes: int) -> None:
-    """The store is allocated (and faulted in) whole at start: it must fit this host."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not known here: the allocation decides
-        return
-    if store_bytes > total:
-        raise ConfigError(
-            f"--store-bytes {format_size(store_bytes)}: more than this host's memory "
-            f"({total / GiB:.1f} GiB)"
-        )
 
 
 def _check_socket_dir(d: str, gid: int) -> None:
