@@ -279,10 +279,22 @@ class KvsvcTier(SecondaryTierManager):
             log.error("kvsvc tier: jobs still running after %.0f s", limit)
 
     def shutdown(self) -> None:
-        """Idempotent: jobs not started are answered failed, the threads stop."""
+        """Idempotent: jobs not started are answered failed, the threads stop, and
+        the tier lets go of vLLM's primary view (vLLM unmaps it after its tiers'
+        shutdown, which an exported buffer would prevent)."""
         self.mover.close()
         self.hints.close()
+        self._release_rows()
         log.info("kvsvc tier counters: %s", dict(self.counters))
+
+    def _release_rows(self) -> None:
+        view = self.mover.rows.base
+        self.mover.rows = np.empty((0, 0), np.uint8)
+        if isinstance(view, memoryview):
+            try:
+                view.release()
+            except BufferError:  # a job thread past its join still copies a row
+                log.warning("kvsvc tier: the primary view is still in use at shutdown")
 
     def _hook_error(self, hook: str, exc: BaseException) -> None:
         self.counters["hook_errors"] += 1
