@@ -47,6 +47,7 @@ from kvsvc.server.config import (
     parse_server_config,
     read_token_file,
 )
+from kvsvc.server.config.host import metrics_address
 from kvsvc.server.ops.health import SERVICE_NAME
 from kvsvc.server.security.auth import TOKEN_FILE_NAME
 
@@ -441,7 +442,9 @@ def check_server_container(container: dict, pod: dict, config: ServerConfig) -> 
         secret_mount(container, pod, config.security.auth_token_file)
     # The kubelet's gRPC probes call the pod IP on the health-only port, no credentials.
     assert host_port(config.network.health_listen) == ("0.0.0.0", ports["health"])
-    assert config.observability.metrics_port == ports["metrics"]
+    # Metrics on the port named metrics (--metrics-listen, or --metrics-port on --listen's host).
+    metrics_at = metrics_address(config)
+    assert metrics_at is not None and metrics_at[1] == ports["metrics"]
     assert container["readinessProbe"]["grpc"] == {"port": ports["health"], "service": SERVICE_NAME}
     assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert container["livenessProbe"]["grpc"]["port"] == ports["health"]

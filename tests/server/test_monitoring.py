@@ -277,6 +277,25 @@ def test_servicemonitor_selects_the_node_services_metrics_port() -> None:
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
 
 
+def test_podmonitor_scrapes_the_sidecars_metrics_on_the_pod_ip() -> None:
+    monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
+    assert monitor["kind"] == "PodMonitor"
+    (rule,) = monitor["spec"]["selector"]["matchExpressions"]
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for topology in ("sidecar", "gpu"):
+        deployment = yaml.safe_load(
+            (REPO / f"deploy/kubernetes/{topology}/deployment.yaml").read_text()
+        )
+        pod = deployment["spec"]["template"]
+        assert pod["metadata"]["labels"][rule["key"]] in rule["values"], topology
+        (server,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvsvc"]
+        env = {e["name"]: e.get("value") for e in server["env"]}
+        assert env["KVSVC_METRICS_LISTEN"].startswith("0.0.0.0:"), topology
+        port = int(env["KVSVC_METRICS_LISTEN"].rpartition(":")[2])
+        named = {p["name"]: p["containerPort"] for p in server["ports"]}
+        assert ports <= set(named) and named["metrics"] == port, topology
+
+
 # --- against a live server -----------------------------------------------------------
 
 
