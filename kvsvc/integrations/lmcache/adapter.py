@@ -319,20 +319,32 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if local is not None:
             self._count("lookups_local")
             return local
-        try:
-            n = client.lookup(ks, namespace=ns, timeout=self.cfg.lookup_timeout_s)
-        except DeadlineExceeded as exc:
-            self._count("lookup_timeouts")
-            self._slow_lookups += 1
-            if self._slow_lookups >= SLOW_LOOKUPS:
+        # A Lookup counts the leading keys held: after the first absent one, the
+        # keys behind it are asked again (at most MAX_SKIPS times, all within
+        # lookup_timeout_s), so the bitmap is per key, as LMCache's is.
+        hits = [False] * len(ks)
+        deadline = time.monotonic() + self.cfg.lookup_timeout_s
+        start, skips = 0, 0
+        while start < len(ks) and skips <= MAX_SKIPS:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                n = client.lookup(ks[start:], namespace=ns, timeout=left)
+            except DeadlineExceeded as exc:
+                self._count("lookup_timeouts")
+                self._slow_lookups += 1
+                if self._slow_lookups >= SLOW_LOOKUPS:
+                    self._failed("lookup", exc)
+                return None if start == 0 else hits
+            except KVServiceError as exc:
                 self._failed("lookup", exc)
-            return None
-        except KVServiceError as exc:
-            self._failed("lookup", exc)
-            return None
-        self._slow_lookups = 0
-        self._count("lookups_rpc")
-        return [i < n for i in range(len(ks))]
+                return None
+            self._slow_lookups = 0
+            self._count("lookups_rpc")
+            hits[start : start + n] = [True] * n
+            start, skips = start + n + 1, skips + 1
+        return hits
 
     def _index_hits(self, client: KVCacheClient, ns: str, ks: list[bytes]) -> list[bool] | None:
         if not self.cfg.presence:
