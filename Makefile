@@ -101,7 +101,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 # then the benchmarks outside it that take --smoke (~45 s).
 bench-smoke: $(VENV)/.bench-installed native
 	$(PY) -m benchmarks.run --smoke --out bench-results/smoke
-	for b in call_cost auth_cost copy_loop inline_flood; do \
+	for b in call_cost auth_cost copy_loop inline_flood stats_cost; do \
 	  $(PY) -m benchmarks.$$b --smoke >/dev/null || { echo "benchmarks.$$b --smoke failed"; exit 1; }; \
 	done
 

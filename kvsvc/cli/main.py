@@ -1,5 +1,5 @@
-"""The ``kvsvc`` command: ``serve``, ``demo``, ``init-auth``, ``drop-namespace`` and
-``failpoints``."""
+"""The ``kvsvc`` command: ``serve``, ``demo``, ``init-auth``, ``drop-namespace``,
+``stats`` (kvsvc.cli.stats) and ``failpoints``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvsvc import __version__
+from kvsvc.cli import stats
 from kvsvc.logs import setup_logging
 from kvsvc.server.config import (
     TOKEN_FILE_ENV,
@@ -121,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=positive_float, default=30.0, help="seconds the call may take"
     )
 
+    stats.add_parser(sub)
+
     sub.add_parser("failpoints", help="list the fault-injection points (KVSVC_FAILPOINTS)")
 
     args = parser.parse_args(argv)
@@ -148,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _init_auth(args.tenant_file)
     if args.command == "drop-namespace":
         return _drop_namespace(args)
+    if args.command == "stats":
+        return stats.run(args)
     if args.command == "failpoints":
         try:
             failpoints.parse(os.environ.get(failpoints.ENV, ""))

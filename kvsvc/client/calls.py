@@ -376,11 +376,14 @@ def fence(
     return (yield from _send(c._plan(FENCE, req, timeout, mapping)))
 
 
-def server_info(c: Core, *, timeout: Timeout = DEFAULT) -> Steps[pb.GetServerInfoResult]:
-    """The server's identity, limits and fd socket."""
-    return (
-        yield from _send(c._plan(SERVER_INFO, pb.GetServerInfoRequest(header=_header()), timeout))
-    )
+def server_info(
+    c: Core, *, stats: bool = False, timeout: Timeout = DEFAULT
+) -> Steps[pb.GetServerInfoResult]:
+    """The server's identity, limits and fd socket; with ``stats``, its FULL view
+    too (``result.stats``: what ``kvsvc stats`` shows)."""
+    view = pb.SERVER_INFO_VIEW_FULL if stats else pb.SERVER_INFO_VIEW_BASIC
+    request = pb.GetServerInfoRequest(header=_header(), view=view)
+    return (yield from _send(c._plan(SERVER_INFO, request, timeout)))
 
 
 def drop_namespace(

@@ -1337,7 +1337,7 @@ class TierStats(_message.Message):
     capacity_bytes: _builtins.int
     """Bytes it may hold; 0 where the server cannot tell (Redis)."""
     used_bytes: _builtins.int
-    """Bytes it holds; for Redis, bytes this server wrote there."""
+    """Bytes it holds; 0 where the server cannot tell (Redis: see written_bytes)."""
     chunks: _builtins.int
     """Chunks it holds; for Redis, the keys this server announced as stored there."""
     writing: _builtins.bool
@@ -1585,7 +1585,7 @@ class ConfigSetting(_message.Message):
     group: _builtins.str
     """Its group, e.g. "data" (Data plane)."""
     value: _builtins.str
-    """As --help writes it (1G, on, none); a secret is replaced by "<redacted>"."""
+    """As --help writes it (1G, on, none), secrets redacted (a URL's password: ***)."""
     is_default: _builtins.bool
     """Whether it is the default."""
     def __init__(

@@ -57,6 +57,13 @@ class Watchers:
         #: live batches already serialized, by (from, to, view, page): watchers with the
         #: same view at the same point of the ring share one (4 watchers: 1 build)
         self._shared: OrderedDict[tuple[Any, ...], tuple[int, bytes] | None] = OrderedDict()
+        #: each stream's position in the ring (-1: resyncing), by its task: positions()
+        self._at: dict[object, int] = {}
+
+    def positions(self) -> list[int]:
+        """Where each open stream is in the ring (-1: being sent a snapshot): the
+        ring's last sequence minus a position is how many events that stream lags."""
+        return list(self._at.values())
 
     def _ended(self) -> None:
         """The log ended: each stream sends what it has and its error batch; those
@@ -107,6 +114,7 @@ class Watchers:
             events.watching -= 1
             if task is not None:
                 self._streams.discard(task)
+                self._at.pop(task, None)
 
     async def _follow(
         self,
@@ -129,7 +137,9 @@ class Watchers:
             position = cursor.sequence
         told = position  # the last sequence the client was sent
         told_at = monotonic()
+        me = asyncio.current_task()
         while True:
+            self._at[me] = position
             if events.ended is not None and not (position >= 0 and ring.after(position, 1)):
                 raise events.ended  # after what it has not sent yet (cleared(FATAL))
             changed = events.changed()  # before reading: no publish is missed

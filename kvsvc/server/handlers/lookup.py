@@ -12,6 +12,7 @@ from kvsvc.server.data.store import INLINE_LAYOUT, ChunkStore
 from kvsvc.server.handlers.mappings import Mapper
 from kvsvc.server.handlers.requests import check_keys, check_namespace, oneof
 from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.ops.stats import Counts
 from kvsvc.server.rpc.wrapper import Call
 from kvsvc.server.tiers.chain import TierChain
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -27,12 +28,14 @@ class Lookups:
         mapper: Mapper,
         metrics: Metrics,
         start_id: str,
+        counts: Counts,
     ) -> None:
         self.store = store
         self.tiers = tiers
         self.mapper = mapper
         self.metrics = metrics
         self.start_id = start_id
+        self.counts = counts
 
     def Lookup(
         self, request: pb.LookupRequest, call: Call
@@ -49,18 +52,20 @@ class Lookups:
             # Tiers are asked about inline chunks in their one layout.
             namespace, layout = check_namespace(request.namespace, call), INLINE_LAYOUT
             hits = self.store.lookup(namespace, keys, None)
+        memory = hits  # memory's leading run; the chain counts the holders past it
         if self.tiers and hits < len(keys):
             counted = self.tiers.prefix(namespace, layout, keys, hits)
             if not isinstance(counted, int):
-                return self._asked(counted, len(keys))
+                return self._asked(counted, len(keys), memory)
             hits = counted
-        return self._response(hits, len(keys))
+        return self._response(hits, len(keys), memory)
 
-    async def _asked(self, counted: Awaitable[int], asked: int) -> pb.LookupResponse:
-        return self._response(await counted, asked)
+    async def _asked(self, counted: Awaitable[int], asked: int, memory: int) -> pb.LookupResponse:
+        return self._response(await counted, asked, memory)
 
-    def _response(self, hits: int, asked: int) -> pb.LookupResponse:
+    def _response(self, hits: int, asked: int, memory: int) -> pb.LookupResponse:
         self.metrics.observe_lookup(hits, asked)
+        self.counts.lookup(asked, hits, memory)
         response = pb.LookupResponse()
         result = response.result  # set in place: a LookupResult passed in would be copied
         result.hit_chunks = hits

@@ -32,6 +32,7 @@ from kvsvc.server.handlers.requests import check_keys, check_namespace, oneof, q
 from kvsvc.server.handlers.tiered import TieredRetrieve, drop_failed
 from kvsvc.server.ops import failpoints
 from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.ops.stats import Counts
 from kvsvc.server.rpc.wrapper import LOGGER, Call
 from kvsvc.server.tiers.chain import TierChain
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -53,6 +54,7 @@ class Transfers:
         mapper: Mapper,
         metrics: Metrics,
         start_id: str,
+        counts: Counts,
     ) -> None:
         self.config = config
         self.store = store
@@ -61,6 +63,7 @@ class Transfers:
         self.mapper = mapper
         self.metrics = metrics
         self.start_id = start_id
+        self.counts = counts
 
     def admit(self, call: Call) -> None:
         """A transfer within its tenant's quota (kvsvc.server.security.auth.Quota), else
@@ -209,6 +212,7 @@ class Transfers:
         namespace, layout, mapping_id, sides = target
         keys = [k for k, _ in sides]
         chunks = self.store.acquire_prefix(namespace, keys, layout)
+        self.counts.retrieve(len(keys), chunks)
         if self.tiers and len(chunks) < len(keys):
             threads = self.config.data.transfer_threads
             retrieve = TieredRetrieve(self.store, self.engine, self.tiers, threads, call, target)

@@ -7,7 +7,8 @@ RPC's response type and handler, every one run through the one wrapper
 kvsvc.server.handlers.mappings; Store, Retrieve and Fence in kvsvc.server.handlers.transfers;
 Lookup in kvsvc.server.handlers.lookup; DropNamespace in kvsvc.server.handlers.namespaces; the
 Session stream in kvsvc.server.rpc.session; the WatchEvents stream in
-kvsvc.server.events; GetServerInfo here. Start, signals and stop:
+kvsvc.server.events; GetServerInfo here (its FULL view's stats in
+kvsvc.server.ops.stats). Start, signals and stop:
 kvsvc.server.ops.lifecycle."""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvsvc.server.handlers.namespaces import Namespaces
 from kvsvc.server.handlers.transfers import Transfers
 from kvsvc.server.ops.health import Health
 from kvsvc.server.ops.metrics import Metrics
+from kvsvc.server.ops.stats import Counts, Stats
 from kvsvc.server.rpc.session import Sessions
 from kvsvc.server.rpc.wrapper import LOGGER, Call, rpc
 from kvsvc.server.tiers import chain
@@ -98,14 +100,36 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             tiers=self.tiers.tiers,
             version=__version__,
         )
+        #: what only GetServerInfo's stats count (hits, removals by reason, refusals)
+        self.counts = Counts()
+        self.store.listeners.append(self.counts)
         self.transfers = Transfers(
-            config, self.store, self.engine, self.tiers, self.mapper, self.metrics, self.start_id
+            config,
+            self.store,
+            self.engine,
+            self.tiers,
+            self.mapper,
+            self.metrics,
+            self.start_id,
+            self.counts,
         )
-        self.lookups = Lookups(self.store, self.tiers, self.mapper, self.metrics, self.start_id)
+        self.lookups = Lookups(
+            self.store, self.tiers, self.mapper, self.metrics, self.start_id, self.counts
+        )
         self.namespaces = Namespaces(self.store, self.tiers, self.start_id)
         #: what large requests may hold at once (kvsvc.server.data.budget)
         self.budget = InlineBudget(config.data.inline_budget_bytes, lambda: self.store.capacity)
         self.sessions = Sessions(self, self.loop, self.budget)
+        self.stats = Stats(
+            config=config,
+            store=self.store,
+            counts=self.counts,
+            tiers=self.tiers,
+            events=self.events,
+            watchers=self.watchers,
+            inflight=lambda: self.engine.inflight,
+            mappings=self.mappings,
+        )
 
     def _fd_broker(self, config: ServerConfig) -> fdbroker.FdBroker | None:
         """The fd socket; with 'auto' and no socket dir, a place where none can be
@@ -238,6 +262,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         )
         if self.health.failure_time:
             result.failure_time.CopyFrom(_timestamp(self.health.failure_time))
+        if request.view == pb.SERVER_INFO_VIEW_FULL:
+            self.stats.fill(result.stats, call.tenant)
         return result
 
 

@@ -67,12 +67,19 @@ class Call:
         self.key = tenant.scoped(request_id)
 
 
+class Refusals(Protocol):
+    """Where quota refusals are counted by tenant (kvsvc.server.ops.stats.Counts)."""
+
+    def refused(self, tenant: str, quota: str) -> None: ...
+
+
 class Served(Protocol):
     """What the wrapper reads of the servicer whose handlers it wraps."""
 
     config: ServerConfig
     health: Health
     metrics: Metrics
+    counts: Refusals
     engine: TransferEngine
 
     def admit(self, call: Call) -> None:
@@ -159,6 +166,8 @@ def rpc(response_cls: type[Any], *, transfer: bool = False) -> Callable[..., Any
             except BaseException as exc:  # noqa: BLE001 - the contract: every failure gets a reply
                 response = _error(self, name, call, exc, response_cls, monotonic() - started)
                 outcome = response.error.reason
+                if outcome == "TENANT_QUOTA_EXCEEDED":  # per tenant: the stats' refusals
+                    self.counts.refused(call.tenant.name, response.error.metadata.get("quota", ""))
                 return response
             finally:
                 REQUEST_ID.reset(token)

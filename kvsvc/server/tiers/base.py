@@ -49,6 +49,12 @@ class Tier(abc.ABC):
     def collector(self) -> Any:
         """Its Prometheus collector (read when scraped)."""
 
+    def describe(self, out: pb.TierStats) -> None:
+        """Fill what it holds and did in ``out`` (GetServerInfo's FULL view; the
+        chain fills its hit counts): cheap, on the loop, never a round trip."""
+        out.writing = self.writing
+        out.ready = True
+
     # --- what it holds ---
     def holds(self, namespace: str, key: bytes, layout: str | None) -> bool:
         """Whether its index, kept here, lists the chunk (``layout`` None: any)."""

@@ -52,6 +52,13 @@ class TierChain:
         self.tiers = list(tiers)
         self._known = [t for t in self.tiers if not t.asked]
         self._asked = [t for t in self.tiers if t.asked]
+        #: by tier name ("memory" too): the keys past memory's leading run that
+        #: Lookup counted present, each the first holder's (GetServerInfo's stats)
+        self.lookup_hits: dict[str, int] = {}
+        #: by tier: chunks Retrieve asked of it (those memory and the tiers above
+        #: lacked), and those it loaded
+        self.retrieve_asked: dict[str, int] = {}
+        self.retrieve_hits: dict[str, int] = {}
         if self.tiers:
             store.listeners.append(self)
 
@@ -103,16 +110,34 @@ class TierChain:
         """``hits`` extended over the keys memory, a known tier or an asked tier's
         ``answers`` (each for ``keys[first:]``) hold."""
         first = hits
+        counted = self.lookup_hits
         for i in range(hits, len(keys)):
-            key = keys[i]
-            if not (
-                any(i - first < len(a) and a[i - first] for a in answers)
-                or self.store.lookup(namespace, [key], local)
-                or any(t.holds(namespace, key, local) for t in self._known)
-            ):
+            holder = self._holder(namespace, local, keys[i], answers, i - first)
+            if holder is None:
                 break
+            counted[holder] = counted.get(holder, 0) + 1
             hits += 1
         return hits
+
+    def _holder(
+        self,
+        namespace: str,
+        local: str | None,
+        key: bytes,
+        answers: Sequence[list[bool]],
+        at: int,
+    ) -> str | None:
+        """The first of memory and the tiers, in order, that holds ``key`` (``answers``:
+        the asked tiers', in their order, ``at`` its index there), or None."""
+        if self.store.lookup(namespace, [key], local):
+            return "memory"
+        for tier in self._known:
+            if tier.holds(namespace, key, local):
+                return tier.name
+        for tier, answer in zip(self._asked, answers, strict=False):
+            if at < len(answer) and answer[at]:
+                return tier.name
+        return None
 
     async def _ask(
         self, namespace: str, layout: str, local: str | None, keys: list[bytes], hits: int
@@ -137,11 +162,27 @@ class TierChain:
     ) -> None:
         """Each tier in turn loads the leading ``keys`` memory still lacks, within
         half of what is left of the reply's budget when its turn comes."""
+        start = self.store.lookup(namespace, keys, layout)
         for tier in self.tiers:
-            start = self.store.lookup(namespace, keys, layout)
             if start == len(keys):
                 return
             await tier.load(namespace, layout, keys[start:], reply_budget(deadline) / 2, committed)
+            now = self.store.lookup(namespace, keys, layout)
+            _add(self.retrieve_asked, tier.name, len(keys) - start)
+            _add(self.retrieve_hits, tier.name, max(0, now - start))
+            start = now
+
+    def describe(self) -> list[pb.TierStats]:
+        """Each tier's stats (Tier.describe) with the hits counted here, in order."""
+        out = []
+        for tier in self.tiers:
+            stats = pb.TierStats(name=tier.name)
+            tier.describe(stats)
+            stats.lookup_hit_chunks = self.lookup_hits.get(tier.name, 0)
+            stats.retrieve_asked_chunks = self.retrieve_asked.get(tier.name, 0)
+            stats.retrieve_hit_chunks = self.retrieve_hits.get(tier.name, 0)
+            out.append(stats)
+        return out
 
     # --- writes (the store's listener) ---
     def stored(self, chunk: Chunk) -> None:
@@ -164,3 +205,7 @@ class TierChain:
         """Every tier forgets ``namespace``, saying what in its fields of ``result``."""
         for tier in self.tiers:
             await tier.drop(namespace, reply_budget(deadline) * 0.8, result)
+
+
+def _add(table: dict[str, int], name: str, n: int) -> None:
+    table[name] = table.get(name, 0) + n

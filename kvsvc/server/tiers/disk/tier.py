@@ -258,6 +258,19 @@ class DiskTier(Tier):
     def writing(self) -> bool:
         return self.health.writing
 
+    def describe(self, out: pb.TierStats) -> None:
+        s = self.stats
+        out.writing, out.ready = self.writing, self.ready
+        out.capacity_bytes, out.used_bytes, out.chunks = self.capacity, self.used_bytes, self.files
+        out.read_bytes = s.bytes_read
+        out.written_chunks, out.written_bytes = s.writes, s.bytes_written
+        out.queued_bytes = self.queued_bytes
+        out.removed_chunks["evicted"] = s.evicted
+        skipped = {"full": s.skipped_full, "queue": s.skipped_queue}
+        skipped |= {"capacity": s.skipped_capacity, "replaced": s.replaced}
+        skipped |= dict(self.health.skipped)
+        out.skipped_writes.update(skipped)
+
     def collector(self) -> Any:
         from kvsvc.server.ops.metrics import DiskCollector
 

@@ -133,6 +133,9 @@ class Connections:
         self.bytes_written = 0
         self.writes = 0
         self.dropped_writes = 0
+        #: dropped_writes by why: queue (write-behind full), unavailable (Redis failing,
+        #: breaker open), closing (the server stopping)
+        self.skipped: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self._closed = False

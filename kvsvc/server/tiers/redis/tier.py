@@ -56,6 +56,16 @@ class RemoteTier(Runs, Fetches, WriteBehind, Tier):
         """Writes are skipped (counted) while the breaker is open."""
         return self.breaker.state != OPEN
 
+    def describe(self, out: pb.TierStats) -> None:
+        """What this server knows without asking Redis (its size is Redis' to say)."""
+        out.writing, out.ready = self.writing, True
+        out.chunks = len(self.events.remote) if self.events is not None else 0
+        out.read_bytes = self.bytes_read
+        out.written_chunks, out.written_bytes = self.writes, self.bytes_written
+        out.queued_bytes = self.queued_bytes
+        with self._stats_lock:
+            out.skipped_writes.update(self.skipped)
+
     def collector(self) -> Any:
         from kvsvc.server.ops.metrics import RemoteCollector
 

@@ -54,11 +54,17 @@ class WriteBehind(Connections):
             if take:
                 self.queued_bytes += chunk.size
         if not take:
-            self._add(dropped_writes=1)
+            self._drop(1, "closing" if self._closed else "queue")
             return
         chunk.readers += 1  # the store frees nothing a writer still reads
         namespace, key, layout = chunk.key
         self._queue.put(_Write(namespace, key, layout, chunk))
+
+    def _drop(self, n: int, why: str) -> None:
+        """Count ``n`` writes never made, and why (GetServerInfo's skipped writes)."""
+        with self._stats_lock:
+            self.dropped_writes += n
+            self.skipped[why] = self.skipped.get(why, 0) + n
 
     @property
     def queue_depth(self) -> int:
@@ -101,7 +107,7 @@ class WriteBehind(Connections):
     def _write(self, writes: list[_Write], stage: Staging) -> None:
         """One pipeline of SETs for a batch of chunks (their values built in ``stage``)."""
         if self._closed:
-            self._add(dropped_writes=len(writes))
+            self._drop(len(writes), "closing")
             return
         # A chunk dropped since it was queued (its namespace dropped, a failed check)
         # is not written: DropNamespace's scan may already have passed its key.
@@ -133,7 +139,7 @@ class WriteBehind(Connections):
         try:
             self._call(send)
         except Skipped:
-            self._add(dropped_writes=len(writes))
+            self._drop(len(writes), "unavailable")
             return
         self._add(writes=len(writes), bytes_written=sum(w.chunk.size for w in writes))
         if self.events is not None:

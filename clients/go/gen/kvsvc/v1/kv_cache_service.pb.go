@@ -3012,7 +3012,7 @@ type TierStats struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Bytes it may hold; 0 where the server cannot tell (Redis).
 	CapacityBytes uint64 `protobuf:"varint,2,opt,name=capacity_bytes,json=capacityBytes,proto3" json:"capacity_bytes,omitempty"`
-	// Bytes it holds; for Redis, bytes this server wrote there.
+	// Bytes it holds; 0 where the server cannot tell (Redis: see written_bytes).
 	UsedBytes uint64 `protobuf:"varint,3,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
 	// Chunks it holds; for Redis, the keys this server announced as stored there.
 	Chunks uint64 `protobuf:"varint,4,opt,name=chunks,proto3" json:"chunks,omitempty"`
@@ -3537,7 +3537,7 @@ type ConfigSetting struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Its group, e.g. "data" (Data plane).
 	Group string `protobuf:"bytes,2,opt,name=group,proto3" json:"group,omitempty"`
-	// As --help writes it (1G, on, none); a secret is replaced by "<redacted>".
+	// As --help writes it (1G, on, none), secrets redacted (a URL's password: ***).
 	Value string `protobuf:"bytes,3,opt,name=value,proto3" json:"value,omitempty"`
 	// Whether it is the default.
 	IsDefault bool `protobuf:"varint,4,opt,name=is_default,json=isDefault,proto3" json:"is_default,omitempty"`
