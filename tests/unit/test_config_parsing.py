@@ -421,7 +421,7 @@ def test_the_file_sets_what_flags_and_variables_leave(tmp_path: Path) -> None:
 
 BAD_FILES = [
     ('store_bytes = "inf"', r"store_bytes: not a size: 'inf'"),
-    ("store_bytes = inf", r"store_bytes: expected a number or a string such as \"1G\", not inf"),
+    ("store_bytes = inf", r"store_bytes: expected a number or a string such as \"256M\", not inf"),
     ("store_bytes = nan", r"store_bytes: expected .*, not nan"),
     ("remote_timeout = inf", r"remote_timeout: expected .*, not inf"),
     ('remote_timeout = "nan"', r"remote_timeout: value must be finite"),

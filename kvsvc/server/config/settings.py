@@ -72,10 +72,13 @@ class DataPlaneSettings:
     """The chunk store, the regions clients map, and the copies between them."""
 
     store_bytes: int = setting(
-        GiB,
+        256 * MiB,
         parse_size,
         "chunk store capacity (suffixes K, M, G; MiB/GiB accepted); least recently used "
-        "chunks are evicted beyond it",
+        "chunks are evicted beyond it. Allocated and touched whole at start (no page "
+        "faults in the copies); refused at start if it and the server's own 256 MiB do not "
+        "fit in host RAM or the cgroup's memory limit. The default suits a laptop demo "
+        "(~0.5 GB resident); size it for a deployment",
         shows=format_size,
     )
     namespace_share: float = setting(
