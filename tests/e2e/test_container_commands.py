@@ -427,6 +427,13 @@ def secret_mount(container: dict, pod: dict, path: str) -> dict:
     return volume
 
 
+#: Seconds before the health port answers, beside the store (imports, torch's
+#: first: a few seconds, a slow node's margin), and per GiB of store touched at start
+#: (~0.5 s measured on a loaded 2-core host): deploy/README.md "Probes".
+START_S = 30
+TOUCH_S_PER_GIB = 1.0
+
+
 def check_server_container(container: dict, pod: dict, config: ServerConfig) -> None:
     """What every kvsvc server container must be: probes on its port, memory for
     its store, locked down."""
@@ -449,6 +456,15 @@ def check_server_container(container: dict, pod: dict, config: ServerConfig) -> 
     assert container["livenessProbe"]["grpc"].get("service", "") == ""
     assert container["livenessProbe"]["grpc"]["port"] == ports["health"]
     assert container["startupProbe"]["grpc"]["port"] == ports["health"]
+    # "" answers SERVING while the disk index rebuilds (only readiness waits), so no
+    # restarting probe asks the service's name; the startup probe's budget covers
+    # the start before the health port answers: imports, and the store touched whole.
+    assert container["startupProbe"]["grpc"].get("service", "") == ""
+    startup = container["startupProbe"]
+    budget = startup.get("initialDelaySeconds", 0) + (
+        startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    )
+    assert budget >= START_S + TOUCH_S_PER_GIB * config.data.store_bytes / (1 << 30), budget
     assert pod["terminationGracePeriodSeconds"] > config.limits.shutdown_grace
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
