@@ -33,7 +33,9 @@ install: $(VENV)/.installed native
 # the same compiler flags a wheel or `pip install .` uses), ~2 s with cc and Python's
 # headers; without them the build says so and kvsvc runs its Python loops. A rebuilt
 # library is renamed over the old one: a running server keeps the one it mapped.
+# (A venv of Python 3.12+ has no setuptools unless something brought it.)
 native: $(VENV)/.installed
+	@$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install -q "setuptools>=64"
 	$(PY) setup.py -q build_ext --inplace
 
 serve: install
