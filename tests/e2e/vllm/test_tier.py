@@ -159,6 +159,38 @@ def test_a_chunk_failing_its_check_is_never_reported_loaded_and_is_dropped(make_
         b.close()
 
 
+def test_a_failed_promotion_is_a_miss_for_its_request(tmp_path) -> None:
+    """kvsvc holds the keys (the index says HIT) but every Retrieve fails: through
+    vLLM's manager, the request's keys end as MISS (its failed promotion is not
+    issued again on every step, as vLLM's fs and obj tiers guard against), within
+    a bounded number of promotion jobs."""
+    server = KvsvcProcess(free_port(), "handler.enter=Retrieve@raise", str(tmp_path))
+    a, b = Engine(target=server.address), Engine(target=server.address)
+    loads = 0
+    submit = b.tier.submit_load
+
+    def submit_load(job: TransferJob) -> None:
+        nonlocal loads
+        loads += 1
+        submit(job)
+
+    b.tier.submit_load = submit_load
+    try:
+        keys = new_keys(2)
+        a.offload(keys, seed=16)
+        a.settle()
+        assert a.tier.counters["stored_chunks"] == 2, a.tier.counters
+        b.wait_index()
+        got = b.fetch(keys, timeout=30)
+        assert set(got.values()) == {LookupResult.MISS}, b.tier.counters
+        assert 1 <= loads <= 2, loads  # one promotion per key at most, never re-issued
+        assert not b.tier.counters["hook_errors"]
+    finally:
+        a.close()
+        b.close()
+        server.kill()
+
+
 def test_kvsvc_killed_mid_run_is_misses_and_failed_jobs_then_recovers(tmp_path) -> None:
     port = free_port()
     server = KvsvcProcess(port, "", str(tmp_path))
