@@ -378,8 +378,8 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         kvsvc copies another, so the staging copy overlaps kvsvc's."""
         assert self.pages is not None
         pages, lane = self.pages, self.lanes["set" if store else "get"]
-        rows = pages.rows(host_indices)
-        n, per = len(keys), pages.per_page
+        runs = pages.runs(host_indices)
+        n, page_bytes, per = len(keys), pages.page_bytes, len(pages.sizes)
         t0 = time.perf_counter()
         timeout = self.cfg.store_timeout_s if store else self.cfg.load_timeout_s
         deadline = time.monotonic() + timeout
@@ -394,16 +394,14 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             if got is None:
                 return 0
             client, mapping = got
-            staged, arena = lane.staging.rows(pages.unit), pages.arena
+            staged = lane.staging.address
             chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
             pieces = [(a, min(a + PIECE_PAGES, n)) for a in range(0, n, PIECE_PAGES)]
             left = max(deadline - time.monotonic(), 0.001)
             futures: list[Future[Any]] = []
             for a, b in pieces:
                 if store:
-                    torch.index_select(
-                        arena, 0, rows[a * per : b * per], out=staged[a * per : b * per]
-                    )
+                    pages.gather(runs[a * per : b * per], staged + a * page_bytes)
                     futures.append(client.store_async(mapping, chunks[a:b], timeout=left))
                 else:
                     futures.append(client.retrieve_async(mapping, chunks[a:b], timeout=left))
@@ -422,8 +420,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
                 else:
                     loaded = int(r.loaded_chunks)
                     if loaded:
-                        span = slice(a * per, (a + loaded) * per)
-                        arena.index_copy_(0, rows[span], staged[span])
+                        pages.scatter(staged + a * page_bytes, runs[a * per : (a + loaded) * per])
                     self._count("pages_loaded", loaded)
                     done = a + loaded
             if errors:
