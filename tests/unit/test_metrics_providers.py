@@ -257,3 +257,39 @@ def test_metrics_listen_is_a_flag_and_a_variable() -> None:
     assert config.observability.metrics_listen == "0.0.0.0:9400"
     config = parse_server_config([], environ={"KVSVC_METRICS_LISTEN": "127.0.0.1:9500"})
     assert metrics_address(config) == ("127.0.0.1", 9500)
+
+
+@dataclass
+class Counts:
+    lookup_memory: int = 0
+    retrieve_asked: int = 0
+    retrieve_hits: int = 0
+
+
+@dataclass
+class Chain:
+    lookup_hits: dict[str, int] = field(default_factory=dict)
+    retrieve_hits: dict[str, int] = field(default_factory=dict)
+
+
+def by_tier(metrics: Metrics, name: str) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        s.labels["tier"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_hits_are_split_by_the_tier_that_held_them() -> None:
+    counts, chain = Counts(), Chain()
+    metrics = bare()
+    metrics.watch_hits(counts, chain, ["disk", "redis"])
+    zero = {"memory": 0, "disk": 0, "redis": 0}
+    assert by_tier(metrics, "kvsvc_lookup_hit_chunks_total") == zero  # every tier, at 0
+    counts.lookup_memory, chain.lookup_hits = 5, {"memory": 1, "disk": 2}
+    counts.retrieve_asked, counts.retrieve_hits, chain.retrieve_hits = 10, 6, {"redis": 3}
+    assert by_tier(metrics, "kvsvc_lookup_hit_chunks_total") == {**zero, "memory": 6, "disk": 2}
+    assert by_tier(metrics, "kvsvc_retrieve_hit_chunks_total") == {**zero, "memory": 6, "redis": 3}
+    assert scrape(metrics)["kvsvc_retrieve_asked_chunks_total"] == 10

@@ -59,6 +59,8 @@ _LATENCY_BUCKETS = (
 #: thousands of tenants cannot blow up a scrape.
 MAX_TENANT_SERIES = 50
 OTHER_TENANTS = "_other"
+#: the tier label of the memory store, above every tier of the chain
+MEMORY = "memory"
 
 
 class StoreStats(Protocol):
@@ -429,6 +431,61 @@ class _HealthCollector:
             )
 
 
+class HitCounts(Protocol):
+    """Memory's part of the hits (kvsvc.server.ops.stats.Counts has these)."""
+
+    lookup_memory: int
+    retrieve_asked: int
+    retrieve_hits: int
+
+
+class ChainHits(Protocol):
+    """Who held each hit past memory's leading run (kvsvc.server.tiers.chain.TierChain)."""
+
+    @property
+    def lookup_hits(self) -> Mapping[str, int]: ...
+    @property
+    def retrieve_hits(self) -> Mapping[str, int]: ...
+
+
+class _HitsCollector:
+    """Lookup and Retrieve hits by the tier that held each chunk: memory, then the
+    tiers below it (every tier configured has its series, zero until it hits)."""
+
+    def __init__(self, counts: HitCounts, chain: ChainHits, tiers: Sequence[str]) -> None:
+        self.counts, self.chain = counts, chain
+        self.names = [MEMORY, *tiers]
+
+    def collect(self) -> Iterator[Any]:
+        c = self.counts
+        held = dict(self.chain.lookup_hits)  # a plain dict's copy: atomic (see above)
+        held[MEMORY] = held.get(MEMORY, 0) + c.lookup_memory
+        loaded = dict(self.chain.retrieve_hits)
+        loaded[MEMORY] = c.retrieve_hits
+        for name, doc, table in (
+            (
+                "kvsvc_lookup_hit_chunks",
+                "Lookup hits (chunks of the leading stored run) by the tier that held each",
+                held,
+            ),
+            (
+                "kvsvc_retrieve_hit_chunks",
+                "chunks Retrieve served, by the tier it found each in (memory, or the tier "
+                "that loaded it)",
+                loaded,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier in self.names:
+                family.add_metric([tier], table.get(tier, 0))
+            yield family
+        yield CounterMetricFamily(
+            "kvsvc_retrieve_asked_chunks",
+            "chunks Retrieve was asked for (the denominator of its hit rate)",
+            c.retrieve_asked,
+        )
+
+
 class _TenantFileCollector:
     """Whether the tenant file in force is the one on disk (SIGHUP reloads)."""
 
@@ -677,6 +734,10 @@ class Metrics:
     def observe_lookup(self, hits: int, asked: int) -> None:
         self._lookup_hit.inc(hits)
         self._lookup_miss.inc(asked - hits)
+
+    def watch_hits(self, counts: HitCounts, chain: ChainHits, tiers: Sequence[str]) -> None:
+        """Export hits by tier (``tiers``: the names of the chain's tiers, in order)."""
+        self.registry.register(_HitsCollector(counts, chain, tiers))  # type: ignore[arg-type]
 
     def watch_tenant_file(self, source: TenantFile) -> None:
         """Export the tenant file's reloads (servers with --auth-token-file)."""

@@ -103,6 +103,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         #: what only GetServerInfo's stats count (hits, removals by reason, refusals)
         self.counts = Counts()
         self.store.listeners.append(self.counts)
+        self.metrics.watch_hits(self.counts, self.tiers, [t.name for t in self.tiers.tiers])
         self.transfers = Transfers(
             config,
             self.store,
