@@ -62,7 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--tls-server-name", default=None, help="name to verify when it differs from the host"
     )
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds each call may take")
-    stats.add_argument("--watch", action="store_true", help="refresh in place (Ctrl-C ends)")
+    stats.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh in place with per-second rates, the settings left out (Ctrl-C ends)",
+    )
     stats.add_argument(
         "--interval", type=float, default=2.0, help="seconds between --watch refreshes"
     )
@@ -70,7 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--count", type=int, default=0, help="with --watch: end after this many refreshes"
     )
     stats.add_argument(
-        "--all-settings", action="store_true", help="list settings at their defaults too"
+        "--all-settings",
+        action="store_true",
+        help="list settings at their defaults too (and with --watch, every setting)",
     )
     stats.add_argument("--json", action="store_true", help="print the reply as JSON")
     return stats
@@ -163,7 +169,16 @@ def _show(args: argparse.Namespace, info: pb.GetServerInfoResult, rates: Rates |
     if args.json:
         print(json_format.MessageToJson(info, indent=None), flush=True)
         return
-    Console().print(render(info, args.target, rates=rates, all_settings=args.all_settings))
+    Console().print(_view(args, info, rates))
+
+
+def _view(
+    args: argparse.Namespace, info: pb.GetServerInfoResult, rates: Rates | None
+) -> RenderableType:
+    """What one look shows; --watch leaves the settings out (they do not change while
+    the server runs: one screen holds the rest) unless --all-settings asks for them."""
+    settings = "all" if args.all_settings else "none" if args.watch else "changed"
+    return render(info, args.target, rates=rates, settings=settings)
 
 
 def _watch(args: argparse.Namespace, fetch: Callable[[], pb.GetServerInfoResult]) -> int:
@@ -180,8 +195,7 @@ def _watch(args: argparse.Namespace, fetch: Callable[[], pb.GetServerInfoResult]
             info = fetch()
             rates = Rates.between(last, info) if last is not None else None
             if live is not None:
-                view = render(info, args.target, rates=rates, all_settings=args.all_settings)
-                live.update(view, refresh=True)
+                live.update(_view(args, info, rates), refresh=True)
             else:
                 _show(args, info, rates)
             last, shown = info, shown + 1
@@ -236,9 +250,10 @@ def render(
     target: str,
     *,
     rates: Rates | None = None,
-    all_settings: bool = False,
+    settings: str = "changed",
 ) -> RenderableType:
-    """The whole view: a heading, then one table per section."""
+    """The whole view: a heading, then one table per section; ``settings``: "all",
+    "changed" (those not at their defaults) or "none"."""
     s = info.stats
     parts: list[RenderableType] = [_heading(info, target)]
     if rates is not None:
@@ -249,8 +264,9 @@ def render(
         _reasons(s),
         _tenants(s),
         _events(s.events),
-        _settings(s.settings, all_settings),
     ]
+    if settings != "none":
+        parts.append(_settings(s.settings, everything=settings == "all"))
     return Group(*parts)
 
 

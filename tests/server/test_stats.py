@@ -369,6 +369,7 @@ def test_watch_refreshes_then_ends_cleanly(make_server):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(f"at {st.address}: serving") == 2
     assert "lookups/s" in result.stdout  # the second refresh has rates
+    assert "Settings in force" not in result.stdout  # unchanging: left out of --watch
     assert result.stderr == ""
 
 
