@@ -33,15 +33,19 @@ CHUNKS = 32  # the primary tier's chunks
 
 
 def offload_config(
-    engine_id: str, tier: dict[str, Any], chunks: int = CHUNKS, kv_events: bool = False
+    engine_id: str,
+    tier: dict[str, Any],
+    chunks: int = CHUNKS,
+    kv_events: bool = False,
+    row: int = ROW,
 ) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=ROW,
+        worker_kv_bytes_per_block=row,
         enable_kv_cache_events=kv_events,
         extra_config={
             "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": chunks * ROW,
+            "cpu_bytes_to_use": chunks * row,
             "secondary_tiers": [
                 {"type": "KvsvcTier", "module_path": "kvsvc.integrations.vllm.tier", **tier}
             ],
@@ -72,11 +76,16 @@ class Engine:
     """One engine's scheduler-side offloading: vLLM's TieringOffloadingManager with
     KvsvcTier below its CPU tier."""
 
-    def __init__(self, kv_events: bool = False, **tier: Any) -> None:
-        """``kv_events``: vLLM's KV events on (its manager's take_events drained)."""
+    def __init__(
+        self, kv_events: bool = False, row: int = ROW, chunks: int = CHUNKS, **tier: Any
+    ) -> None:
+        """``kv_events``: vLLM's KV events on (its manager's take_events drained);
+        ``row``: bytes of one chunk, ``chunks``: the primary tier's chunks."""
         tier.setdefault("reconnect_interval_s", 0.5)
         engine_id = f"kvsvc-{uuid.uuid4().hex[:12]}"
-        self.spec = TieringOffloadingSpec(offload_config(engine_id, tier, kv_events=kv_events))
+        self.spec = TieringOffloadingSpec(
+            offload_config(engine_id, tier, chunks, kv_events=kv_events, row=row)
+        )
         self.manager: Any = self.spec.get_manager()
         self.tier: Any = self.manager.secondary_tiers[0]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())
@@ -100,7 +109,7 @@ class Engine:
         rng = np.random.default_rng(seed)
         data = {}
         for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
-            self.rows[chunk] = rng.integers(0, 256, ROW, dtype=np.uint8)
+            self.rows[chunk] = rng.integers(0, 256, self.rows.shape[1], dtype=np.uint8)
             data[key] = self.rows[chunk].tobytes()
         self.manager.complete_store(out.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
