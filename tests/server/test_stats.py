@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from certs import make_ca, make_cert
 from redis_servers import RedisServer, require_redis
 from support import make_cache
 
@@ -424,4 +425,30 @@ def test_no_server_or_a_refused_token_is_one_line_and_exit_2(make_server, tmp_pa
         refused = kvsvc_stats("--target", st.address, *args)
         assert refused.returncode == 2
         assert refused.stderr.startswith(f"kvsvc stats: {st.address}: Unauthenticated")
+        assert refused.stderr.count("\n") == 1 and refused.stdout == ""
+
+
+def test_over_mtls_with_a_client_certificate_and_refused_without(make_server, tmp_path):
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_ca(pki, "ca")
+    make_cert(pki, "ca", "server", "localhost", "DNS:localhost,IP:127.0.0.1")
+    make_cert(pki, "ca", "engine", "engine")
+    tenants = tmp_path / "t.json"
+    tenants.write_text(json.dumps({"tenants": {"small": {"cert_names": ["engine"]}}}))
+    st = make_server(
+        tls_cert=str(pki / "server.pem"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+        auth_token_file=str(tenants),
+    )
+    ca = ("--tls-ca", str(pki / "ca.pem"), "--tls-server-name", "localhost")
+    cert = ("--tls-cert", str(pki / "engine.pem"), "--tls-key", str(pki / "engine.key"))
+    ok = kvsvc_stats("--target", st.address, *ca, *cert, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["stats"]["tenants"][0]["tenant"] == "small"  # by its cert
+    for args in (ca, ()):  # no client certificate; plaintext to a TLS port
+        refused = kvsvc_stats("--target", st.address, *args, "--timeout", "3")
+        assert refused.returncode == 2
+        assert refused.stderr.startswith(f"kvsvc stats: {st.address}: ServiceUnavailable")
         assert refused.stderr.count("\n") == 1 and refused.stdout == ""
