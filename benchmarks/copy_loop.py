@@ -120,10 +120,11 @@ def run(
             for op, to_store in (("store", True), ("retrieve", False)):
                 got: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
                 kvsvc(True)()  # checksums for the retrieves
-                for _ in range(rounds):
-                    copies.NATIVE = native
-                    got["native"].append(measure(kvsvc(to_store), nbytes, reps))
-                    for label, lib in also.items():
+                builds = [("native", native), *also.items()]
+                for r in range(rounds):
+                    # The builds compared take turns going first (the first after
+                    # the previous round's torch copy ran slower here).
+                    for label, lib in builds[r % len(builds) :] + builds[: r % len(builds)]:
                         copies.NATIVE = lib
                         got[label].append(measure(kvsvc(to_store), nbytes, reps))
                     copies.NATIVE = native
