@@ -6,7 +6,8 @@ allocation (``mmap(MAP_FIXED | MAP_SHARED)``, an OS call on this process's own
 address space): every pointer into the cache stays valid, whoever holds it, and
 the server maps the same memfd. No torch internals are touched. The bytes of the
 first and last page that lie outside vLLM's tensor (the allocator's own) are
-copied into the memfd first, so they keep their values.
+copied into the memfd first, so they keep their values. Its pages are faulted in
+on a thread of their own (``populate``), so the hook returns at once.
 
 Where the cache cannot be mapped over (it shares its pages' mapping with
 something that is not anonymous memory, or the mmap fails), the region is a
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -133,6 +135,7 @@ def mapped_region(tensors: list[torch.Tensor], block_dim: int, rank: int, tp: in
         tail = end - (base + nbytes)
         os.pwrite(fd, ctypes.string_at(base + nbytes, tail), base + nbytes - start)
         map_fixed(start, end - start, fd)
+        populate(start, end - start, fd)
     except BaseException:
         os.close(fd)
         raise
@@ -192,15 +195,44 @@ _libc.mmap.argtypes = [
 MAP_FIXED = 0x10  # Linux (mman-common.h); Python's mmap module does not export it
 
 
-def map_fixed(addr: int, length: int, fd: int) -> None:
-    """``fd`` mapped shared at exactly ``addr`` (replacing the pages there),
-    populated now: vLLM's ``torch.zeros`` touched its pages, and a first write to
-    a block must not fault on the request path."""
-    flags = mmap.MAP_SHARED | MAP_FIXED | getattr(mmap, "MAP_POPULATE", 0)
+def map_fixed(addr: int, length: int, fd: int, *, now: bool = False) -> None:
+    """``fd`` mapped shared at exactly ``addr``, replacing the pages there;
+    ``now``: populated before it returns (``MAP_POPULATE``)."""
+    flags = mmap.MAP_SHARED | MAP_FIXED | (getattr(mmap, "MAP_POPULATE", 0) if now else 0)
     got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
     if got != addr:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap(MAP_FIXED) over the KV cache: {os.strerror(err)}")
+
+
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; faults pages in writable, data unchanged
+POPULATE_STEP = 64 << 20
+
+
+def populate(addr: int, length: int, fd: int) -> None:
+    """Fault the memfd's pages in, as vLLM's ``torch.zeros`` touched its own (a
+    first write to a block must not fault on the request path): on a thread of its
+    own with ``MADV_POPULATE_WRITE``, which leaves the bytes as they are, so vLLM
+    may use the cache meanwhile and the hook returns at once; where the kernel
+    lacks it, here, by mapping the same memfd again with ``MAP_POPULATE`` (nothing
+    has written the cache yet)."""
+    if _libc.madvise(addr, min(length, POPULATE_STEP), MADV_POPULATE_WRITE) != 0:
+        map_fixed(addr, length, fd, now=True)
+        return
+
+    def rest() -> None:
+        t0 = time.perf_counter()
+        for off in range(POPULATE_STEP, length, POPULATE_STEP):
+            if _libc.madvise(addr + off, min(POPULATE_STEP, length - off), MADV_POPULATE_WRITE):
+                return  # unmapped meanwhile (vLLM freed its cache): nothing left to do
+        log.info(
+            "kvsvc: the KV cache's %.1f MiB populated in %.1f s (in the background)",
+            length / (1 << 20),
+            time.perf_counter() - t0,
+        )
+
+    threading.Thread(target=rest, name="kvsvc-populate", daemon=True).start()
 
 
 def block_dim(t: torch.Tensor, num_blocks: int) -> int:
