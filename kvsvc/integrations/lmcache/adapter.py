@@ -236,8 +236,8 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             for r0 in range(0, len(keys), lane.slots):
                 r1 = min(r0 + lane.slots, len(keys))
                 pending: list[tuple[int, int, Future[Any] | None]] = []
-                for a in range(r0, r1, cfg.piece_objects):
-                    b = min(a + cfg.piece_objects, r1)
+                for a in range(r0, r1, lane.piece(cfg.piece_mib)):
+                    b = min(a + lane.piece(cfg.piece_mib), r1)
                     chunks = []
                     for j in range(a, b):
                         src = object_bytes(objects[j])
@@ -417,8 +417,8 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             while todo and time.monotonic() < deadline:
                 batch, todo = todo[: lane.slots], todo[lane.slots :]
                 pending = []
-                for a in range(0, len(batch), cfg.piece_objects):
-                    b = min(a + cfg.piece_objects, len(batch))
+                for a in range(0, len(batch), lane.piece(cfg.piece_mib)):
+                    b = min(a + lane.piece(cfg.piece_mib), len(batch))
                     chunks = [(chunk_key(keys[batch[s]]), [s]) for s in range(a, b)]
                     left = max(deadline - time.monotonic(), 0.001)
                     f = client.retrieve_async(mapping, chunks, namespace=ns, timeout=left)

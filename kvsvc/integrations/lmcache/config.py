@@ -21,9 +21,9 @@ class LmcacheAdapterConfig(ConnectionSettings):
     # Each staging region (one per direction and object size) holds this many MiB
     # of objects, at least one: a batch larger than that goes in several rounds.
     staging_mib: int = 256
-    # Objects per Store/Retrieve inside a round: the copy into (or out of) the
-    # staging region of one piece overlaps kvsvc's copy of another.
-    piece_objects: int = 8
+    # MiB per Store/Retrieve inside a round (at least one object): the copy into
+    # (or out of) the staging region of one piece overlaps kvsvc's copy of another.
+    piece_mib: int = 8
     # Object sizes with a staging region of their own; an object of yet another
     # size is a failed store / a miss (said once), never an unbounded allocation.
     max_object_sizes: int = 4

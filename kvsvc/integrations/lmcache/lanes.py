@@ -47,6 +47,10 @@ class Lane:
     def object_bytes(self) -> int:
         return self.staging.page_bytes
 
+    def piece(self, piece_mib: int) -> int:
+        """Objects per Store/Retrieve: ``piece_mib`` MiB of them, at least one."""
+        return max(1, min(self.slots, (piece_mib << 20) // self.object_bytes))
+
     def bar(self, mapping: MappingHandle, ids: list[str]) -> None:
         self.barred = mapping
         self.barred_ids = sorted(set(self.barred_ids) | set(ids))

@@ -63,9 +63,9 @@ def test_round_trip_bit_exact_across_sizes_and_rounds(server: ServerProcess) -> 
     of pieces), are stored, found and loaded bit-exact by another adapter (another
     LMCache node); lookups and loads of absent keys among them are exactly 0 bits."""
     src, dst = L1(8 << 20), L1(4 << 20)
-    a = make_adapter(server.address, src, staging_mib=1, piece_objects=3)
+    a = make_adapter(server.address, src, staging_mib=2, piece_mib=1)
     # Lookup RPCs (the presence index is a hint that may lag another node's store).
-    b = make_adapter(server.address, dst, staging_mib=1, piece_objects=3, presence=False)
+    b = make_adapter(server.address, dst, staging_mib=2, piece_mib=1, presence=False)
     try:
         small_k, big_k = keys("rt-small", 40), keys("rt-big", 5)
         small, big = src.objects(40, 64 * KIB, seed=1), src.objects(5, 384 * KIB, seed=2)
@@ -203,7 +203,7 @@ def test_a_deadline_mid_load_holds_the_lane_until_a_fence(make_server: Any) -> N
     copy ended; then loads hit again, bit-exact."""
     server = make_server()
     l1 = L1(4 << 20)
-    a = make_adapter(server.address, l1, load_timeout_s=0.5, piece_objects=8)
+    a = make_adapter(server.address, l1, load_timeout_s=0.5, piece_mib=1)
     try:
         k, objs = keys("deadline", 8), l1.objects(8, 64 * KIB, seed=6)
         assert store(a, k, objs)[0].is_successful()

@@ -1,0 +1,365 @@
+"""kvsvc as an LMCache L2 adapter beside LMCache's own built-in L2 adapters that run
+on this machine, through the adapter interface LMCache's storage controllers call
+(each adapter built by LMCache's own parser and factory from its ``--l2-adapter``
+JSON, tasks submitted and completed through its eventfds), same run, same objects:
+
+- ``kvsvc``: the plugin adapter against a local ``kvsvc serve`` (memory store);
+- ``fs``: LMCache's file-system adapter on a tmpfs directory (/dev/shm);
+- ``resp``: LMCache's RESP (Redis protocol) adapter against a local redis-server;
+- ``valkey``: LMCache's Valkey adapter against the same redis-server.
+
+For 2 MiB and 32 MiB objects: store (tasks of 64 MiB), load of every object (a hit:
+the figure the goal is about, >= 1x the best built-in adapter), both in GB/s with
+each loaded byte checked; then a lookup-and-lock of 16 keys (p50 / p99), and the
+same lookups with kvsvc killed (the goal: p99 does not grow with kvsvc down).
+
+Needs LMCache (``make lmcache`` makes .venv-lmcache)::
+
+    .venv-lmcache/bin/python -m benchmarks.lmcache_l2 [--smoke] [--total-mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import argparse as _argparse
+import contextlib
+import json
+import os
+import platform
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+TASK_BYTES = 64 * MIB
+LOOKUP_KEYS = 16
+DOWN_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_kvsvc(shm: str, store_mib: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(Path(shm) / "kvsvc.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsvc", "serve", "--listen", f"127.0.0.1:{port}",
+         "--shm-dir", shm, "--store-bytes", f"{store_mib}M"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while "serving on" not in Path(log.name).read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"kvsvc serve did not start: {Path(log.name).read_text()}")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{port}"
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes] | None, int, str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, 0, "no redis-server (./scripts/install_redis.sh installs it)"
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return proc, port, ""
+        if time.monotonic() > deadline:
+            proc.kill()
+            return None, 0, "redis-server did not start"
+        time.sleep(0.05)
+
+
+def specs(kvsvc: str, fs_dir: str, redis_port: int, redis_why: str) -> dict[str, Any]:
+    """Each adapter's ``--l2-adapter`` JSON, or why it cannot run here."""
+    out: dict[str, Any] = {
+        "kvsvc": {
+            "type": "plugin",
+            "module_path": "kvsvc.integrations.lmcache",
+            "class_name": "KvsvcL2Adapter",
+            "adapter_params": {"target": kvsvc, "lookup_timeout_s": 1.0, "log_level": "ERROR"},
+        },
+        "fs": {"type": "fs", "base_path": fs_dir},
+    }
+    if redis_why:
+        out["resp"] = out["valkey"] = redis_why
+    else:
+        out["resp"] = {"type": "resp", "host": "127.0.0.1", "port": redis_port}
+        out["valkey"] = {"type": "valkey", "startup_nodes": f"127.0.0.1:{redis_port}"}
+    return out
+
+
+def build(spec: dict[str, Any], l1: Any) -> Any:
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    cfg = parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel(), align_bytes=1)
+    return create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc)
+
+
+def objects(l1: Any, n: int, size: int) -> list[Any]:
+    import torch
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    out = []
+    for i in range(n):
+        raw = l1[i * size : (i + 1) * size]
+        meta = MemoryObjMetadata(
+            shape=torch.Size([size // 2]), dtype=torch.float16, address=raw.data_ptr(),
+            phy_size=size, fmt=MemoryFormat.KV_2LTD, ref_count=1,
+        )  # fmt: skip
+        out.append(TensorMemoryObj(raw.view(torch.float16), meta, parent_allocator=None))
+    return out
+
+
+def keys(tag: str, n: int) -> list[Any]:
+    import hashlib
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return [
+        ObjectKey(hashlib.sha256(f"{tag}{i}".encode()).digest(), "bench/model", 0) for i in range(n)
+    ]
+
+
+def wait(adapter: Any, fd: int, query: Any, timeout_s: float = 300) -> Any:
+    from lmcache.v1.platform import consume_fd
+
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (got := query()) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("an adapter task never completed")
+        if poll.poll(int(left * 1000)):
+            consume_fd(fd)
+    return got
+
+
+def run_store(adapter: Any, ks: list[Any], objs: list[Any], per_task: int) -> tuple[float, bool]:
+    held: dict[int, Any] = {}
+    fd = adapter.get_store_event_fd()
+    t0 = time.perf_counter()
+    tasks = [
+        adapter.submit_store_task(ks[i : i + per_task], objs[i : i + per_task])
+        for i in range(0, len(ks), per_task)
+    ]
+    ok = True
+    for t in tasks:
+
+        def query(t: int = t) -> Any:
+            held.update(adapter.pop_completed_store_tasks())
+            return held.pop(t, None)
+
+        ok &= wait(adapter, fd, query).is_successful()
+    return time.perf_counter() - t0, ok
+
+
+def run_load(adapter: Any, ks: list[Any], objs: list[Any], per_task: int) -> tuple[float, int]:
+    fd = adapter.get_load_event_fd()
+    t0 = time.perf_counter()
+    tasks = [
+        (i, adapter.submit_load_task(ks[i : i + per_task], objs[i : i + per_task]))
+        for i in range(0, len(ks), per_task)
+    ]
+    hits = 0
+    for i, t in tasks:
+        bm = wait(adapter, fd, lambda t=t: adapter.query_load_result(t))
+        hits += sum(bool(bm.test(j)) for j in range(min(per_task, len(ks) - i)))
+    return time.perf_counter() - t0, hits
+
+
+def run_lookups(
+    adapter: Any, ks: list[Any], rounds: int, pace_s: float = 0.0
+) -> tuple[list[float], int]:
+    fd = adapter.get_lookup_and_lock_event_fd()
+    lat, found = [], 0
+    for r in range(rounds):
+        time.sleep(pace_s)
+        sample = [ks[(r * LOOKUP_KEYS + j) % len(ks)] for j in range(LOOKUP_KEYS)]
+        t0 = time.perf_counter()
+        t = adapter.submit_lookup_and_lock_task(sample, {})
+        bm = wait(adapter, fd, lambda t=t: adapter.query_lookup_and_lock_result(t))
+        lat.append(time.perf_counter() - t0)
+        adapter.submit_unlock(sample)
+        found += sum(bool(bm.test(j)) for j in range(len(sample)))
+    return lat, found
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def measure(name: str, spec: dict[str, Any], size: int, total: int, rounds: int) -> dict[str, Any]:
+    import torch
+
+    n = max(2, total // size)
+    per_task = max(1, TASK_BYTES // size)
+    src_l1 = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
+    dst_l1 = torch.zeros(n * size, dtype=torch.uint8)
+    adapter = build(spec, src_l1)
+    try:
+        ks = keys(f"{name}-{size}-{time.monotonic_ns()}-", n)
+        src, dst = objects(src_l1, n, size), objects(dst_l1, n, size)
+        # Untimed: one task each way under other keys, as a running server would
+        # have done (connections, kvsvc's staging lanes mapped, fs's directories).
+        warm = keys(f"warm-{name}-{size}-{time.monotonic_ns()}-", per_task)
+        run_store(adapter, warm, src[:per_task], per_task)
+        run_load(adapter, warm, dst[:per_task], per_task)
+        dst_l1.zero_()
+        store_s, ok = run_store(adapter, ks, src, per_task)
+        time.sleep(0.2)  # the built-in adapters index a store a moment after its completion
+        lookup_lat, found = run_lookups(adapter, ks, rounds)
+        load_s, hits = run_load(adapter, ks, dst, per_task)
+        exact = hits == n and torch.equal(src_l1, dst_l1)
+    finally:
+        adapter.close()
+    return {
+        "adapter": name,
+        "object_mib": size // MIB,
+        "objects": n,
+        "store_gbs": n * size / store_s / 1e9 if ok else 0.0,
+        "load_gbs": n * size / load_s / 1e9 if exact else 0.0,
+        "stored": ok,
+        "bit_exact": exact,
+        "lookup_p50_ms": pct(lookup_lat, 50) * 1e3,
+        "lookup_p99_ms": pct(lookup_lat, 99) * 1e3,
+        "lookup_found": found / (rounds * LOOKUP_KEYS),
+    }
+
+
+def measure_down(spec: dict[str, Any], kill: Any, rounds: int) -> dict[str, float]:
+    """Lookups with kvsvc killed under the adapter, paced over DOWN_S (longer than
+    the presence index answers without proof that kvsvc is live): the first that
+    asks kvsvc finds out, the ones after it skip kvsvc."""
+    import torch
+
+    l1 = torch.zeros(MIB, dtype=torch.uint8)
+    adapter = build(spec, l1)
+    try:
+        ks = keys("down-", 64)
+        run_lookups(adapter, ks, 5)
+        kill()
+        lat, found = run_lookups(adapter, ks, max(rounds, 100), DOWN_S / max(rounds, 100))
+    finally:
+        adapter.close()
+    return {
+        "p50_ms": pct(lat, 50) * 1e3,
+        "p99_ms": pct(lat, 99) * 1e3,
+        "max_ms": max(lat) * 1e3,
+        "found": found,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for make lmcache")
+    ap.add_argument("--total-mib", type=int, default=512, help="bytes stored per adapter and size")
+    ap.add_argument("--rounds", type=int, default=200, help="lookups per adapter and size")
+    ap.add_argument("--only", nargs="*", default=["kvsvc", "fs", "resp", "valkey"])
+    args = ap.parse_args()
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    sizes = [2 * MIB, 32 * MIB]
+    total = 64 * MIB if args.smoke else args.total_mib * MIB
+    rounds = 20 if args.smoke else args.rounds
+
+    import lmcache
+    import torch
+
+    work = tempfile.mkdtemp(prefix="kvsvc-lmcache-bench-", dir="/dev/shm")
+    kv_proc, target = start_kvsvc(work, 2 * total // MIB + 256)
+    redis, redis_port, redis_why = start_redis(work)
+    fs_dir = os.path.join(work, "fs")
+    os.makedirs(fs_dir)
+    rows, skipped = [], {}
+    try:
+        table = specs(target, fs_dir, redis_port, redis_why)
+        for size in sizes:
+            for name in args.only:
+                spec = table[name]
+                if isinstance(spec, str):
+                    skipped[name] = spec
+                    continue
+                try:
+                    rows.append(measure(name, spec, size, total, rounds))
+                except Exception as exc:
+                    skipped[name] = f"{type(exc).__name__}: {exc}"
+                    if name == "kvsvc":
+                        raise
+        down = measure_down(table["kvsvc"], kv_proc.kill, rounds)
+    finally:
+        for p in (kv_proc, redis):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(
+        f"# LMCache {lmcache.__version__} L2 adapters, torch {torch.__version__}, "
+        f"{platform.machine()} {os.cpu_count()} CPUs, {'smoke' if args.smoke else 'full'} "
+        f"run: {total // MIB} MiB per adapter and size, tasks of {TASK_BYTES // MIB} MiB"
+    )
+    print(
+        f"{'adapter':8} {'object':>7} {'store GB/s':>11} {'load GB/s':>10} {'exact':>6} "
+        f"{'lookup p50 ms':>14} {'p99 ms':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['adapter']:8} {r['object_mib']:>5}Mi {r['store_gbs']:>11.2f} "
+            f"{r['load_gbs']:>10.2f} {r['bit_exact']!s:>6} {r['lookup_p50_ms']:>14.3f} "
+            f"{r['lookup_p99_ms']:>8.3f}"
+        )
+    for name, why in skipped.items():
+        print(f"{name:8} not measured: {why}")
+    ok = True
+    for size in sizes:
+        mine = [r for r in rows if r["adapter"] == "kvsvc" and r["object_mib"] == size // MIB]
+        theirs = [r for r in rows if r["adapter"] != "kvsvc" and r["object_mib"] == size // MIB]
+        if not mine or not theirs:
+            continue
+        best = max(theirs, key=lambda r: r["load_gbs"])
+        ratio = mine[0]["load_gbs"] / best["load_gbs"] if best["load_gbs"] else float("inf")
+        print(
+            f"goal load (hit) >= 1x the best built-in, {size // MIB} MiB objects: kvsvc "
+            f"{mine[0]['load_gbs']:.2f} GB/s vs {best['adapter']} {best['load_gbs']:.2f} "
+            f"GB/s = {ratio:.2f}x"
+        )
+        ok &= mine[0]["bit_exact"]
+    up = [r["lookup_p99_ms"] for r in rows if r["adapter"] == "kvsvc"]
+    print(
+        f"goal lookup p99 with kvsvc down <= up: down p50 {down['p50_ms']:.3f} ms, p99 "
+        f"{down['p99_ms']:.3f} ms (max {down['max_ms']:.1f} ms: the call that found out) "
+        f"over {DOWN_S:.0f} s, "
+        f"up p99 {statistics.median(up) if up else float('nan'):.3f} ms; hits while down: "
+        f"{down['found']}"
+    )
+    if not ok or down["found"]:
+        print("lmcache_l2: kvsvc was not bit-exact, or reported hits while down", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
