@@ -272,8 +272,8 @@ class KvsvcConnectorScheduler:
             ]
             req.next_chunk = ready
             req.had_store = True
-            if self.events is not None and not self._op(r, []).namespace:
-                self.events.claim([h for h, _ in chunks])
+            if self.events is not None and self._namespace_of(r) == self.namespace:
+                self.events.claim([h for h, _ in chunks])  # announced once kvsvc holds them
             ops.append(self._op(r, chunks))
             self._count("store_planned_chunks", len(chunks))
         return ops
