@@ -4,8 +4,8 @@ by tier, and how it is set up.
 ``Counts`` holds the counters no other part keeps (Lookup and Retrieve hits of
 memory, chunks committed and removed by reason, quota refusals), each bumped on
 the loop where the event happens, O(1). ``Stats.fill`` reads them with the live
-state when asked: nothing here walks the chunks, so a poller costs the server a
-few hundred microseconds per call whatever it holds (benchmarks/stats_cost.py)."""
+state when asked: nothing here walks the chunks, so a call costs the loop ~50 µs
+whatever the server holds (docs/stats.md; benchmarks/stats_cost.py)."""
 
 from __future__ import annotations
 
@@ -146,10 +146,10 @@ class Stats:
             tenant=name,
             used_bytes=s.used_by.get(name, 0),
             share_bytes=int(s.capacity * quota.store_share),
-            namespaces=sum(1 for owner, _ in tuple(s.used_in) if owner == name),
-            mappings=sum(1 for m in tuple(self.mappings.values()) if m.tenant == name),
+            namespaces=sum(1 for owner, _ in s.used_in if owner == name),
+            mappings=sum(1 for m in self.mappings.values() if m.tenant == name),
             max_mappings=quota.max_mappings,
-            inflight_transfers=sum(1 for t in tuple(self.inflight()) if t.startswith(prefix)),
+            inflight_transfers=sum(1 for t in self.inflight() if t.startswith(prefix)),
             max_inflight=quota.max_inflight,
         )
         for (who, which), n in self.counts.quota_refusals.items():
