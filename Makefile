@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus clients cpp languages deploy packages test-container vllm sglang clean
+.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus clients cpp languages deploy packages test-container vllm sglang lmcache clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -51,7 +51,7 @@ check: install lint typecheck unit
 unit: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
-test: install lint typecheck check-proto buf pytest bench-smoke clients cpp languages deploy packages vllm sglang test-container
+test: install lint typecheck check-proto buf pytest bench-smoke clients cpp languages deploy packages vllm sglang lmcache test-container
 	@echo "make test: all checks passed"
 
 proto: install
@@ -145,5 +145,9 @@ vllm:
 sglang:
 	./scripts/check_sglang.sh
 
+# The LMCache L2 adapter against LMCache's real MP server on CPU (.venv-lmcache).
+lmcache: redis-server
+	./scripts/check_lmcache.sh
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-sglang tools/node_modules
+	rm -rf $(VENV) .venv-vllm .venv-sglang .venv-lmcache tools/node_modules

@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -55,6 +56,11 @@ BACKSTOP_S = 1.0
 # Objects a load skips (a miss or a chunk that failed its checksum) before it
 # gives up on the rest of the task: each skip costs one more Retrieve.
 MAX_SKIPS = 8
+# Keys this adapter stored count as held for this long even where the presence
+# index has not seen their events yet (read your own writes: LMCache may look up
+# what it just stored); at most RECENT_KEYS of them are remembered.
+RECENT_S = 5.0
+RECENT_KEYS = 1 << 16
 # Lookups in a row slower than lookup_timeout_s after which kvsvc counts as down
 # (a stopped server answers nothing; one slow lookup is only a miss).
 SLOW_LOOKUPS = 3
@@ -122,6 +128,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._indexes: dict[str, Any] = {}
         self._index_client: KVCacheClient | None = None
         self._slow_lookups = 0
+        self._recent: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._closed = False
         self.counters: dict[str, int] = {}
         log.info(
@@ -214,6 +221,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             for i, ok in zip(idx, got, strict=True):
                 stored[i] = ok
         done = [i for i, ok in enumerate(stored) if ok]
+        self._remember([keys[i] for i in done])
         if done:
             sizes = [int(objects[i].get_size()) for i in done]
             self._notify_keys_stored([keys[i] for i in done], sizes)
@@ -318,7 +326,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         local = self._index_hits(client, ns, ks)
         if local is not None:
             self._count("lookups_local")
-            return local
+            return self._with_recent(ns, ks, local)
         # A Lookup counts the leading keys held: after the first absent one, the
         # keys behind it are asked again (at most MAX_SKIPS times, all within
         # lookup_timeout_s), so the bitmap is per key, as LMCache's is.
@@ -345,6 +353,26 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             hits[start : start + n] = [True] * n
             start, skips = start + n + 1, skips + 1
         return hits
+
+    def _remember(self, keys: list[Any]) -> None:
+        until = time.monotonic() + RECENT_S
+        with self._lock:
+            for k in keys:
+                rk = (self.namespaces.of(k), chunk_key(k))
+                self._recent.pop(rk, None)
+                self._recent[rk] = until
+            while len(self._recent) > RECENT_KEYS:
+                self._recent.popitem(last=False)
+
+    def _with_recent(self, ns: str, ks: list[bytes], hits: list[bool]) -> list[bool]:
+        """``hits`` with the keys this adapter stored in the last RECENT_S seconds."""
+        if not self._recent:
+            return hits
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and next(iter(self._recent.values())) < now:
+                self._recent.popitem(last=False)
+            return [h or (ns, k) in self._recent for h, k in zip(hits, ks, strict=True)]
 
     def _index_hits(self, client: KVCacheClient, ns: str, ks: list[bytes]) -> list[bool] | None:
         if not self.cfg.presence:
@@ -500,6 +528,8 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _failed(self, what: str, exc: BaseException) -> None:
         self._count("kvsvc_failures")
         self._slow_lookups = 0
+        with self._lock:
+            self._recent.clear()  # kvsvc may come back empty
         self.link.failed()
         for lane in list(self._lanes.values()):
             lane.mapping = None
