@@ -31,12 +31,13 @@ def poller(address: str, poll_ms: int) -> subprocess.Popen[bytes]:
     """`kvsvc stats --watch --json` every ``poll_ms``; returns once it has answered."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvsvc", "stats", "--target", address, "--watch", "--json",
-         "--interval", str(poll_ms / 1000)],
+         "--interval", str(poll_ms / 1000), "--timeout", "60"],  # a loaded host is slow
         stdout=subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     if not proc.stdout.readline():
-        raise RuntimeError("kvsvc stats --watch ended before its first reply")
+        proc.wait(10)
+        raise RuntimeError(f"kvsvc stats --watch ended before its first reply ({proc.returncode})")
     return proc
 
 
