@@ -599,3 +599,27 @@ def test_tenants_on_disk_a_share_counts_disk_bytes_and_keys_stay_apart(
         assert filler.lookup([k for k, _ in quiet_chunks], namespace=NS) == 0
         with contextlib.suppress(Miss):  # its own bytes (or a miss: evicted), never quiet's
             assert filler.get(NS, shared_key) == b"F" * CHUNK
+
+
+def test_one_store_larger_than_the_capacity_keeps_the_capacity(make_server, tmp_path) -> None:
+    """Six 512 KiB chunks in one Store to a 3 MiB disk: the sixth cannot be made
+    room for by evicting files (the other five are still being written), so it is
+    skipped and counted, and the files on disk never exceed the capacity."""
+    root = tmp_path / "disk"
+    capacity = 3 * MiB
+    srv = make_server(store_bytes=8 * MiB, disk_dir=str(root), disk_capacity=capacity)
+    disk = srv.server.servicer.tiers.named("disk")
+    assert disk is not None
+    wait_health(srv.address, SERVING)
+    chunks = [(b"big%d" % i, os.urandom(512 << 10)) for i in range(6)]
+    with KVCacheClient(srv.address) as c:
+        assert c.put(NS, chunks).stored_chunks == 6
+    end = time.monotonic() + 30
+    while disk.queued_bytes or disk.pending_bytes:
+        assert time.monotonic() < end, "the disk writes did not land in 30 s"
+        time.sleep(0.05)
+    held = sum(p.stat().st_size for p in chunk_files(root))
+    assert held <= capacity, (held, capacity)
+    assert disk.used_bytes <= capacity
+    assert disk.stats.skipped_capacity >= 1
+    assert len(chunk_files(root)) + disk.stats.skipped_capacity + disk.stats.evicted >= 6

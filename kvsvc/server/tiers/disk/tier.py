@@ -72,7 +72,7 @@ class DiskStats:
     bytes_written: int = 0
     skipped_full: int = 0  # ENOSPC / EDQUOT: the write was skipped
     skipped_queue: int = 0  # the write-behind queue was full
-    skipped_capacity: int = 0  # larger than --disk-capacity
+    skipped_capacity: int = 0  # does not fit --disk-capacity (the rest: writes landing)
     replaced: int = 0  # files (or writes) dropped because a Store brought other bytes
     durable_late: int = 0  # --disk-sync Stores that replied before their chunks were durable
     write_errors: int = 0
@@ -344,6 +344,7 @@ class DiskTier(Tier):
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
+        return not over()
 
     def _probed(self, outcome: str | None) -> None:
         self.health.probed(outcome if outcome in DOWN_REASONS or outcome is None else "io")
@@ -386,18 +387,27 @@ class DiskTier(Tier):
         if bounded and not self.writer.has_room(w.size):
             self.stats.skipped_queue += 1
             return
-        self._make_room(w.file_bytes, w.owner)  # removals are queued before this write
+        # Removals are queued before this write. What cannot be made room for is
+        # held by writes still landing: skipped, as the capacity holds.
+        if not self._make_room(w.file_bytes, w.owner):
+            self.stats.skipped_capacity += 1
+            return
         self.writer.put(w, bounded=False)
         self._writing[w.key] = w
         self.pending_bytes += w.file_bytes
 
-    def _make_room(self, need: int, owner: str = "") -> None:
+    def _make_room(self, need: int, owner: str = "") -> bool:
         """Forget (and queue the removal of) files until ``need`` more bytes fit the
         capacity: the least recently used first, among owners over their share of
-        the disk when tenants have shares (a tenant's quota counts its disk bytes)."""
+        the disk when tenants have shares (a tenant's quota counts its disk bytes).
+        False when they do not fit even so: the rest is writes not yet landed."""
         names: list[str] = []
         index = self.index
-        while index.entries and index.used_bytes + self.pending_bytes + need > self.capacity:
+
+        def over() -> bool:
+            return index.used_bytes + self.pending_bytes + need > self.capacity
+
+        while index.entries and over():
             key = self._victim(owner, need)
             entry = index.remove(key)
             assert entry is not None
