@@ -1,6 +1,7 @@
 """The `kvsvc` command as a newcomer meets it: every invalid `serve` configuration
 is one clear line and exit 2 before serving, leaving nothing behind; `demo` says
-what to do when there is no server; README, `--help` and the defaults agree."""
+what to do when there is no server; docs/configuration.md, `--help` and the defaults
+agree."""
 
 from __future__ import annotations
 
@@ -481,11 +482,10 @@ def test_demo_with_a_missing_shm_dir_says_so() -> None:
     assert done.stderr == f"kvsvc demo: --shm-dir {NO_DIR}: no such directory\n"
 
 
-# --- README, --help and the defaults agree ---------------------------------------
-def readme_config_table() -> dict[str, tuple[str, str]]:
-    """flag -> (env, default) from README's Configuration table."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+# --- docs/configuration.md, --help and the defaults agree ------------------------
+def doc_config_table() -> dict[str, tuple[str, str]]:
+    """flag -> (env, default) from docs/configuration.md's tables."""
+    section = (REPO / "docs" / "configuration.md").read_text()
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -516,8 +516,8 @@ def help_flags() -> dict[str, tuple[str, str]]:
     return flags
 
 
-def test_readme_table_help_and_defaults_agree() -> None:
-    table, helped = readme_config_table(), help_flags()
+def test_doc_table_help_and_defaults_agree() -> None:
+    table, helped = doc_config_table(), help_flags()
     assert len(helped) == len(SETTINGS), helped
     assert table == helped  # same flags, env names and defaults, as written
     for flag, (env, shown) in table.items():

@@ -1,6 +1,6 @@
 """Configuration without a server: value parsers, the declarations (one per setting)
-and what is generated from them (flags, the KVSVC_* reader, README's tables), flags
-over KVSVC_* variables over defaults, one-line errors that name the setting, and the
+and what is generated from them (flags, the KVSVC_* reader, docs/configuration.md's
+tables), flags over KVSVC_* variables over defaults, one-line errors that name the setting, and the
 host checks."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvsvc.server.config import (
     format_size,
     parse_server_config,
 )
-from kvsvc.server.config.docs import BEGIN, END, render_readme
+from kvsvc.server.config.docs import BEGIN, END, render_tables
 from kvsvc.server.config.sources import (
     CONFIG_ENV,
     effective_toml,
@@ -241,11 +241,12 @@ def test_help_is_grouped_by_concern_and_says_what_a_default_means() -> None:
     assert "(env KVSVC_METRICS_PORT; default 0: off)" in " ".join(text.split())
 
 
-def test_readme_tables_are_generated_from_the_declarations() -> None:
-    """As scripts/gen_settings.py --check: README's block is what the declarations make."""
-    text = (REPO / "README.md").read_text()
+def test_the_configuration_page_is_generated_from_the_declarations() -> None:
+    """As scripts/gen_settings.py --check: docs/configuration.md's block is what the
+    declarations make."""
+    text = (REPO / "docs" / "configuration.md").read_text()
     assert BEGIN in text and END in text
-    assert render_readme(text) == text, "run .venv/bin/python scripts/gen_settings.py"
+    assert render_tables(text) == text, "run .venv/bin/python scripts/gen_settings.py"
     block = text.split(BEGIN, 1)[1].split(END, 1)[0]
     for s in SETTINGS.values():
         assert f"| `{s.flag}` | `{s.env}` | `{s.name}` |" in block

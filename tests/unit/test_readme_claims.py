@@ -76,21 +76,23 @@ def test_the_architecture_doc_names_every_module_of_the_tree() -> None:
     assert missing == [], "modules docs/architecture.md does not name"
 
 
-def test_the_configuration_file_the_readme_shows_is_one_kvsvc_reads(
+def test_the_configuration_file_the_docs_show_is_one_kvsvc_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvsvc.server.config import SETTINGS, ConfigError, read_config_file
 
-    examples = re.findall(r"```toml\n(.*?)```", README, re.S)
-    assert examples, "README shows a configuration file"
+    page = (REPO / "docs" / "configuration.md").read_text()
+    examples = re.findall(r"```toml\n(.*?)```", page, re.S)
+    assert examples, "docs/configuration.md shows a configuration file"
     monkeypatch.chdir(tmp_path)
     for text in examples:
         Path("kvsvc.toml").write_text(text)
         assert set(read_config_file("kvsvc.toml")) <= set(SETTINGS)
-    # The error README quotes is the one a misspelt key gets.
+    # The error the page quotes is the one a misspelt key gets.
     Path("kvsvc.toml").write_text('store_byte = "1G"\n')
     with pytest.raises(ConfigError) as ei:
         read_config_file("kvsvc.toml")
-    assert f"`kvsvc serve: {ei.value}`" in README
+    assert f"`kvsvc serve: {ei.value}`" in page
     for flag in ("--config", "--check", "--print-config", "KVSVC_CONFIG"):
-        assert f"{flag}" in README
+        assert f"{flag}" in page
+    assert "(docs/configuration.md)" in README

@@ -1,7 +1,7 @@
 """The server's configuration: every setting declared once (settings), the flags,
 KVSVC_* variables and configuration file read from the declarations (sources), the
-checks against this host before serving (host), value parsers (values), README's
-tables (docs), and fixed limits (constants)."""
+checks against this host before serving (host), value parsers (values),
+docs/configuration.md's tables (docs), and fixed limits (constants)."""
 
 from kvsvc.server.config.constants import (
     FD_LEASES_MAX,

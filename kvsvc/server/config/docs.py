@@ -1,6 +1,6 @@
-"""README's configuration tables, written from the declarations (one table per
-concern: each setting's flag, variable, configuration-file key and default) by
-scripts/gen_settings.py; tests/unit/test_config_parsing.py fails when README's copy
+"""docs/configuration.md's settings tables, written from the declarations (one table
+per concern: each setting's flag, variable, configuration-file key and default) by
+scripts/gen_settings.py; tests/unit/test_config_parsing.py fails when the page's copy
 drifts from them."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def default_cell(s: Setting) -> str:
 
 
 def settings_tables() -> str:
-    """The Markdown between README's settings markers: a titled table per group."""
+    """The Markdown between the page's settings markers: a titled table per group."""
     parts: list[str] = []
     for g in GROUPS:
         parts += [f"**{g.title}**: {g.about[0].lower()}{g.about[1:]}", ""]
@@ -33,10 +33,10 @@ def settings_tables() -> str:
     return "\n".join(parts).rstrip("\n")
 
 
-def render_readme(text: str) -> str:
-    """``text`` (README.md) with the block between the markers regenerated."""
+def render_tables(text: str) -> str:
+    """``text`` (docs/configuration.md) with the block between the markers regenerated."""
     head, sep, rest = text.partition(BEGIN)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise ValueError(f"README lacks the {BEGIN!r} ... {END!r} markers")
+        raise ValueError(f"the page lacks the {BEGIN!r} ... {END!r} markers")
     return f"{head}{BEGIN}\n{settings_tables()}\n{END}{tail}"

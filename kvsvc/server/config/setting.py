@@ -1,6 +1,6 @@
 """What one setting is: its declaration (name, flag, environment variable, default,
 parser, help), made once as a field of a settings dataclass, from which ``kvsvc
-serve``'s flags, the KVSVC_* reader and README's table are generated."""
+serve``'s flags, the KVSVC_* reader and docs/configuration.md's tables are generated."""
 
 from __future__ import annotations
 
