@@ -143,6 +143,7 @@ def test_metrics_and_failpoints_import_no_other_kvsvc_module() -> None:
     """Leaves: they read the server through narrow views and are read by it."""
     graph = import_graph()
     assert graph["kvsvc.server.ops.metrics"] == set()
+    assert graph["kvsvc.server.ops.tier_metrics"] == {"kvsvc.server.ops.metrics"}
     assert graph["kvsvc.server.ops.failpoints"] == set()
 
 

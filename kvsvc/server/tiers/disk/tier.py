@@ -226,7 +226,7 @@ class DiskTier(Tier):
                 self.events.stored(namespace, [chunk_key], layout, entry.size, pb.TIER_DISK)
         on_ready()
 
-    # --- what metrics read (kvsvc.server.ops.metrics.DiskView) ---
+    # --- what metrics read (kvsvc.server.ops.tier_metrics.DiskView) ---
     @property
     def files(self) -> int:
         return len(self.index)
@@ -272,7 +272,7 @@ class DiskTier(Tier):
         out.skipped_writes.update(skipped)
 
     def collector(self) -> Any:
-        from kvsvc.server.ops.metrics import DiskCollector
+        from kvsvc.server.ops.tier_metrics import DiskCollector
 
         return DiskCollector(self)
 

@@ -2,7 +2,7 @@
 for Lookup on the loop) made from --remote's URL, TLS files and password, and the
 gate every exchange passes (DNS, breaker, how many already wait), which turns a
 failure into a counted miss. ``Connections`` is the base the tier's parts
-(lookup, fetch, writer) build on; it holds the counters kvsvc.server.ops.metrics reads.
+(lookup, fetch, writer) build on; it holds the counters kvsvc.server.ops.tier_metrics reads.
 ``Replies`` reads Retrieve's GET replies off a connection's socket, without
 hiredis, straight into the chunks they load.
 
@@ -99,7 +99,7 @@ def reuse_freed_memory() -> bool:
 
 class Connections:
     """The tier's settings, clients, gate and counters. Public counters are read
-    by kvsvc.server.ops.metrics (RemoteStats)."""
+    by kvsvc.server.ops.tier_metrics (RemoteStats)."""
 
     def __init__(
         self, config: ServerConfig, store: ChunkStore, loop: asyncio.AbstractEventLoop
@@ -125,7 +125,7 @@ class Connections:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._aclient: Any = None  # used on the loop only
-        # counters (kvsvc.server.ops.metrics reads them; updated under _stats_lock off the loop)
+        # counters (ops.tier_metrics reads them; updated under _stats_lock off the loop)
         self._stats_lock = threading.Lock()
         self.hits = 0
         self.misses = 0

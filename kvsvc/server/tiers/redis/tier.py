@@ -35,7 +35,7 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 class RemoteTier(Runs, Fetches, WriteBehind, Tier):
     """One per server (--remote): ``present`` (Lookup), ``fetch`` (Retrieve),
     ``write_behind`` (chunks committed here). Public counters are read by
-    kvsvc.server.ops.metrics (RemoteStats)."""
+    kvsvc.server.ops.tier_metrics (RemoteStats)."""
 
     name = "redis"
     asked = True  # Lookup asks Redis (one pipelined EXISTS)
@@ -67,7 +67,7 @@ class RemoteTier(Runs, Fetches, WriteBehind, Tier):
             out.skipped_writes.update(self.skipped)
 
     def collector(self) -> Any:
-        from kvsvc.server.ops.metrics import RemoteCollector
+        from kvsvc.server.ops.tier_metrics import RemoteCollector
 
         return RemoteCollector(self)
 
