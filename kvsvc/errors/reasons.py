@@ -1,6 +1,6 @@
 """The reason catalogue: every ``reason`` kvsvc raises, declared once with the class
 that carries it (hence its gRPC code), whether a retry may help by default and what
-it means. README's reason table and proto/kvsvc/v1/reasons.json are generated from
+it means. docs/errors.md's reason table and proto/kvsvc/v1/reasons.json are generated from
 :func:`catalogue` (scripts/gen_reasons.py); tests/server/test_reasons.py fails on a
 reason raised anywhere in kvsvc that is not declared here."""
 
@@ -384,7 +384,7 @@ _RETRYABLE_BY_REASON.update({r.name: r.retryable for r in _CATALOGUE})
 
 
 def catalogue() -> dict[str, object]:
-    """The catalogue as JSON-able data, for the other clients' tests and the README:
+    """The catalogue as JSON-able data, for the other clients' tests and docs/errors.md:
     the classes (with the default class of each code) and the reasons."""
     classes: list[type[KVServiceError]] = [KVServiceError, *_BY_NAME.values()]
 

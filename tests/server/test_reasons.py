@@ -1,5 +1,5 @@
 """The reason catalogue (kvsvc/errors/reasons.py REASONS) is the one declaration of every
-reason: the sources, the README table, proto/kvsvc/v1/reasons.json and the classes
+reason: the sources, docs/errors.md's table, proto/kvsvc/v1/reasons.json and the classes
 are all checked against it here. The Node and Go clients check their tables
 against the JSON in their own errors tests."""
 
@@ -221,7 +221,7 @@ def test_classes_register_themselves() -> None:
             table.update(saved)
 
 
-def test_generated_json_and_readme_match_the_catalogue() -> None:
+def test_generated_json_and_doc_table_match_the_catalogue() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_reasons.py"), "--check"],
         capture_output=True,
