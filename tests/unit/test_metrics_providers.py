@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvsvc.server.config import ConfigError, ServerConfig, parse_server_config
 from kvsvc.server.config.host import metrics_address
 from kvsvc.server.ops.health import Health as RealHealth
-from kvsvc.server.ops.metrics import MAX_TENANT_SERIES, OTHER_TENANTS, Metrics
+from kvsvc.server.ops.metrics import MAX_TENANT_SERIES, OTHER_TENANTS, UNOWNED, Metrics
 
 
 @dataclass
@@ -172,7 +172,7 @@ def test_tenant_series_are_bounded() -> None:
     store.used_by.update({"a": 10, "": 20})
     assert tenant_bytes(metrics, "kvsvc_tenant_store_used_bytes") == {
         "a": 10,
-        "default": 20,
+        UNOWNED: 20,
         "t000": 0,
     }
     assert tenant_bytes(metrics, "kvsvc_tenant_store_share_bytes") == {"t000": 5000}

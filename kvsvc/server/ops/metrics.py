@@ -60,6 +60,8 @@ _LATENCY_BUCKETS = (
 #: thousands of tenants cannot blow up a scrape.
 MAX_TENANT_SERIES = 50
 OTHER_TENANTS = "_other"
+#: the owner of chunks loaded from a tier below memory: no tenant's Store made them
+UNOWNED = "_unowned"
 #: the tier label of the memory store, above every tier of the chain
 MEMORY = "memory"
 
@@ -235,9 +237,9 @@ class _StoreCollector:
             labels=["tenant"],
         )
         for tenant, value in bounded_tenants(used, shares.keys()).items():
-            used_family.add_metric([tenant or "default"], float(value))
+            used_family.add_metric([tenant or UNOWNED], float(value))
             if tenant in shares:
-                share_family.add_metric([tenant or "default"], float(shares[tenant]))
+                share_family.add_metric([tenant or UNOWNED], float(shares[tenant]))
         yield used_family
         yield share_family
 
