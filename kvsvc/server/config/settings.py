@@ -29,6 +29,7 @@ from kvsvc.server.config.values import (
     positive_int,
     redact_url,
     remote_url,
+    s3_url,
     shm_uids,
     size_or_off,
     value_size,
@@ -134,7 +135,7 @@ class DataPlaneSettings:
 
 @dataclass(frozen=True)
 class TierSettings:
-    """The tiers behind the memory store: local disk, then the shared remote tier (Redis)."""
+    """The tiers behind the memory store: local disk, then the shared tiers (Redis, S3)."""
 
     remote: str = setting(
         "off",
@@ -184,6 +185,44 @@ class TierSettings:
         "for one unless `tls-auth-clients no`)",
     )
     remote_tls_key: str = setting("", optional(), "PEM private key of `--remote-tls-cert`")
+    s3_endpoint: str = setting(
+        "",
+        optional(s3_url),
+        "shared S3-compatible object tier: the endpoint's `http://HOST:PORT` or `https://...` "
+        "(credentials never in the URL: `--s3-credentials-file` or the standard AWS "
+        "environment); best-effort: an S3 failure is a miss",
+        note="off",
+    )
+    s3_bucket: str = setting("kvsvc", str, "bucket of the S3 tier (made by the operator)")
+    s3_prefix: str = setting(
+        "kvsvc",
+        str,
+        "first part of every object name kvsvc writes (`PREFIX/NAMESPACE/...`: one prefix "
+        "per namespace, for lifecycle rules)",
+    )
+    s3_region: str = setting("us-east-1", str, "region the S3 tier signs its requests for")
+    s3_credentials_file: str = setting(
+        "",
+        optional(),
+        "AWS shared-credentials file (`[default]` `aws_access_key_id`, "
+        "`aws_secret_access_key`) for the S3 tier",
+        note="the standard AWS environment",
+    )
+    s3_timeout: float = setting(
+        5.0, positive_float, "seconds each S3 connect or read may take (no retries)"
+    )
+    s3_lookup_budget: float = setting(
+        0.02,
+        positive_float,
+        "seconds a Lookup may wait for S3 HEADs of keys this server has not seen written or read",
+    )
+    s3_queue_bytes: int = setting(
+        256 * MiB,
+        parse_size,
+        "bytes of stored chunks waiting to be written to S3 (at most a quarter of the "
+        "store); beyond, writes are skipped and counted",
+        shows=format_size,
+    )
     disk_dir: str = setting(
         "",
         optional(),

@@ -8,6 +8,7 @@ import math
 import os
 import pwd
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from kvsvc.limits import GiB, MiB, validate_deadline
 
@@ -208,6 +209,18 @@ def remote_url(text: str) -> str:
     if not host:
         raise argparse.ArgumentTypeError(f"no host in {redact_url(text)!r}")
     return text
+
+
+def s3_url(text: str) -> str:
+    """An S3 endpoint: http(s)://HOST[:PORT], without credentials in it."""
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"not an S3 endpoint: {text!r} (http(s)://HOST[:PORT])")
+    if parts.username or parts.password:
+        raise argparse.ArgumentTypeError(
+            "S3 credentials go in --s3-credentials-file or the AWS environment, not in the URL"
+        )
+    return text.strip()
 
 
 def redact_url(url: str) -> str:

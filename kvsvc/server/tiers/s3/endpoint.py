@@ -1,0 +1,129 @@
+"""What every part of the S3 tier shares: the client behind its breaker (``call``,
+the one gate every exchange passes), the tier's counters, and what this server
+knows the bucket holds (its own writes and reads: Lookup asks nothing for those)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvsvc.server.config import ServerConfig
+from kvsvc.server.data.store import ChunkKey
+from kvsvc.server.tiers.s3.client import (
+    BREAKER_OPEN,
+    MISSING,
+    Breaker,
+    error_kind,
+    make_client,
+    warn,
+)
+from kvsvc.server.tiers.s3.objects import Rejected
+
+T = TypeVar("T")
+
+#: keys this server remembers the bucket holding (its writes and reads), and
+#: keys whose newest version it failed to write; beyond, the oldest are forgotten
+KNOWN_MAX = 1 << 20
+#: threads for Retrieve's GETs, Lookup's HEADs and the write-behind's PUTs
+READERS = 4
+HEADS = 8
+WRITERS = 2
+
+
+class Skipped(Exception):
+    """An S3 exchange that did not happen or failed (counted; ``kind`` says why)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Missing(Exception):
+    """The object is not there: a miss, not a failure."""
+
+
+class Endpoint:
+    """The bucket behind its breaker, and the tier's counters (read by metrics
+    and GetServerInfo; written on threads and the loop, under ``lock``)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        tiers = config.tiers
+        self.config = config
+        self.where = f"{tiers.s3_endpoint}/{tiers.s3_bucket}"
+        self.bucket = tiers.s3_bucket
+        self.prefix = tiers.s3_prefix.strip("/")
+        self.timeout = tiers.s3_timeout
+        self.breaker = Breaker()
+        self.client: Any = None
+        self.closed = False
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.bytes_read = 0
+        self.writes = self.bytes_written = 0
+        self.dropped_objects = 0
+        self.errors: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}
+        #: the bucket holds these as far as this server knows: key -> its version
+        #: (None when only a HEAD said so)
+        self.known: collections.OrderedDict[ChunkKey, int | None] = collections.OrderedDict()
+        #: keys whose newest version was not written: the bucket may hold an older
+        #: one, never loaded (a replaced version is never served again)
+        self.stale: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+
+    def connect(self) -> None:
+        self.client = make_client(self.config, READERS + HEADS + WRITERS + 2)
+
+    def call(self, fn: Callable[[Any], T]) -> T:
+        """``fn(client)`` if the breaker allows it. Raises Missing (not a failure),
+        Rejected (the object is not this chunk: counted by the caller) or Skipped
+        (the breaker, or a failure: counted here, and the breaker told)."""
+        if self.closed:
+            raise Skipped("closing")
+        if self.client is None or not self.breaker.allow():
+            self.count(self.errors, BREAKER_OPEN)
+            raise Skipped(BREAKER_OPEN)
+        try:
+            out = fn(self.client)
+        except Rejected:
+            self.breaker.success()
+            raise
+        except Exception as exc:  # every S3 failure is a miss, counted
+            kind = error_kind(exc)
+            if kind == MISSING:
+                self.breaker.success()
+                raise Missing from exc
+            self.breaker.failure()
+            self.count(self.errors, kind)
+            warn.warning("s3 tier: %s (%s: %s): a miss", kind, type(exc).__name__, exc)
+            raise Skipped(kind) from exc
+        self.breaker.success()
+        return out
+
+    def count(self, table: dict[str, int], kind: str, n: int = 1) -> None:
+        with self.lock:
+            table[kind] = table.get(kind, 0) + n
+
+    def add(self, **figures: int) -> None:
+        with self.lock:
+            for name, n in figures.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    # --- what the bucket holds, as far as this server knows (on the loop) ---
+    def remember(self, key: ChunkKey, version: int | None) -> None:
+        self.stale.pop(key, None)
+        self.known[key] = version
+        self.known.move_to_end(key)
+        if len(self.known) > KNOWN_MAX:
+            self.known.popitem(last=False)
+
+    def forget(self, key: ChunkKey) -> None:
+        self.known.pop(key, None)
+
+    def doubt(self, key: ChunkKey) -> None:
+        """``key``'s newest version did not reach the bucket: never load it from there."""
+        self.known.pop(key, None)
+        self.stale[key] = None
+        if len(self.stale) > KNOWN_MAX:
+            self.stale.popitem(last=False)
