@@ -330,9 +330,10 @@ def namespace_config(config: Any) -> Any:
     topology-free page). Any other layout keeps its sizes: a miss across TP sizes,
     never another topology's bytes."""
     par = config.parallel
-    replicated = bool(getattr(config, "replicated_layout", False))
-    canonical = bool(getattr(config, "canonical_layout", False)) and bool(
-        getattr(par, "is_parallelism_agnostic", False)
+    # ``is True``: only vLLM's declared flags, never a truthy stand-in for one.
+    replicated = getattr(config, "replicated_layout", False) is True
+    canonical = getattr(config, "canonical_layout", False) is True and (
+        getattr(par, "is_parallelism_agnostic", False) is True
     )
     if not (replicated or canonical):
         return config
