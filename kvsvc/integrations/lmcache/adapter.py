@@ -243,7 +243,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             staged = lane.staging.tensor
             for r0 in range(0, len(keys), lane.slots):
                 r1 = min(r0 + lane.slots, len(keys))
-                pending: list[tuple[int, int, Future[Any] | None]] = []
+                pending: list[tuple[int, int, Future[Any], bool]] = []
                 for a in range(r0, r1, lane.piece(cfg.piece_mib)):
                     b = min(a + lane.piece(cfg.piece_mib), r1)
                     chunks = []
@@ -253,9 +253,13 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                             continue
                         staged[j - r0].copy_(src)
                         chunks.append((chunk_key(keys[j]), [j - r0]))
+                    if not chunks:
+                        continue
                     left = max(deadline - time.monotonic(), 0.001)
                     f = client.store_async(mapping, chunks, namespace=ns, timeout=left)
-                    pending.append((a, b, f if len(chunks) == b - a else None))
+                    # A piece with an object that could not be staged is awaited
+                    # (its copy reads the slots) but counts as failed.
+                    pending.append((a, b, f, len(chunks) == b - a))
                 errors = self._settle_stores(pending, out, deadline)
                 if errors:
                     self._after_failure(lane, client, mapping, errors[0], "store")
@@ -264,20 +268,18 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def _settle_stores(
         self,
-        pending: list[tuple[int, int, Future[Any] | None]],
+        pending: list[tuple[int, int, Future[Any], bool]],
         out: list[bool],
         deadline: float,
     ) -> list[BaseException]:
         errors: list[BaseException] = []
-        for a, b, f in pending:
-            if f is None:  # a piece with an object that could not be staged: failed
-                continue
+        for a, b, f, whole in pending:
             try:
                 r = f.result(max(deadline - time.monotonic(), 0) + BACKSTOP_S)
             except (KVServiceError, FutureTimeout) as exc:
                 errors.append(exc)
                 continue
-            if int(r.stored_chunks) + int(r.present_chunks) == b - a:
+            if whole and int(r.stored_chunks) + int(r.present_chunks) == b - a:
                 out[a:b] = [True] * (b - a)
         return errors
 
