@@ -5,8 +5,10 @@ bf16: 8 MiB a page, 1 GiB a batch) written and read by ``_page_set_zero_copy`` /
 HiCacheFile backend on the same tmpfs (``_generic_page_set`` / ``_generic_page_get``:
 HiCacheFile has no v1 calls) and a plain copy of the same bytes (torch ``copy_``);
 then ``batch_exists`` of 128 keys, answered by the presence index, beside a session
-Lookup of the same keys. Goals (issue 31): kvsvc >= 2x HiCacheFile, >= 0.8x the copy;
-batch_exists p50 <= the Lookup's.
+Lookup of the same keys. Goals (issues 31, 41): kvsvc >= 2x HiCacheFile, >= 0.8x the
+copy; batch_exists p50 <= the Lookup's. The copy runs in every round beside the
+batches it is compared with, and the ratios are the medians of each round's own
+ratio, so that a machine whose load changes between rounds compares like with like.
 
 Needs SGLang (``make sglang`` makes .venv-sglang)::
 
@@ -120,10 +122,16 @@ def measure(size: dict[str, int], rounds: int, shm: str = "/dev/shm") -> dict[st
         hf.register_mem_pool_host(pool)
         ck, cf = _controller(kv, pool), _controller(hf, pool)
         op = cc.PrefetchOperation("bench", [])
-        rows: dict[str, list[float]] = {k: [] for k in ("kv_set", "kv_get", "hf_set", "hf_get")}
+        a = torch.empty(nbytes, dtype=torch.uint8)
+        b = torch.empty(nbytes, dtype=torch.uint8)
+        a.fill_(1)
+        b.fill_(2)
+        names = ("copy", "kv_set", "kv_get", "hf_set", "hf_get")
+        rows: dict[str, list[float]] = {k: [] for k in names}
         for r in range(rounds):
             keys = cc.get_storage_hash_str(list(range(r * 10**6, r * 10**6 + n * page)), None, page)
             for name, fn in (
+                ("copy", lambda: b.copy_(a) is b),
                 ("kv_set", lambda k=keys: ck._page_set_zero_copy(k, src)),
                 ("kv_get", lambda k=keys: ck._page_get_zero_copy(op, k, dst) == n),
                 ("hf_set", lambda k=keys: cf._generic_page_set(k, src)),
@@ -138,18 +146,12 @@ def measure(size: dict[str, int], rounds: int, shm: str = "/dev/shm") -> dict[st
             if not torch.equal(bits[:, : n * page], bits[:, n * page : 2 * n * page]):
                 raise RuntimeError("the pages read back differ from those written")
             hf.clear()  # its files, so that tmpfs holds one batch at a time
-        a = torch.empty(nbytes, dtype=torch.uint8)
-        b = torch.empty(nbytes, dtype=torch.uint8)
-        a.fill_(1)
-        b.fill_(2)
-        copies = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            b.copy_(a)
-            copies.append(time.perf_counter() - t0)
         for name, secs in rows.items():
             results[name + "_gbps"] = _gbps(nbytes, secs)
-        results["memcpy_gbps"] = _gbps(nbytes, copies)
+        results["memcpy_gbps"] = results.pop("copy_gbps")
+        for name in ("kv_set", "kv_get"):  # each round's copy time over its batch's
+            ratios = [c / t for c, t in zip(rows["copy"], rows[name], strict=True)]
+            results[name + "_ratio"] = statistics.median(ratios)
         results.update(_exists(kv, keys, rounds * 200))
         kv.close()
     finally:
@@ -197,6 +199,9 @@ def table(r: dict[str, Any]) -> str:
         f"| SGLang HiCacheFile, same tmpfs | {r['hf_set_gbps']:.2f} | {r['hf_get_gbps']:.2f} |",
         f"| torch copy_ of the same bytes | {r['memcpy_gbps']:.2f} | {r['memcpy_gbps']:.2f} |",
         "",
+        f"kvsvc / copy, median of each round's ratio: write {r['kv_set_ratio']:.2f}, read "
+        f"{r['kv_get_ratio']:.2f} (goal >= 0.8; before issue 41: 0.54 / 0.37)",
+        "",
         f"batch_exists of 128 keys p50: {r['exists_p50_us']:.1f} us (presence index); "
         f"session Lookup p50: {r['lookup_p50_us']:.1f} us",
     ]
@@ -207,7 +212,7 @@ def goals(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     """benchmarks.run's goal rows: (goal, verdict, detail)."""
     kv = min(r["kv_set_gbps"], r["kv_get_gbps"])
     hf = min(r["hf_set_gbps"], r["hf_get_gbps"])
-    cp = r["memcpy_gbps"]
+    ratio = min(r["kv_set_ratio"], r["kv_get_ratio"])
     ex, lk = r["exists_p50_us"], r["lookup_p50_us"]
 
     def verdict(ok: bool) -> str:
@@ -216,8 +221,8 @@ def goals(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [
         ("sglang: v1 read/write >= 2x HiCacheFile", verdict(kv >= 2 * hf),
          f"{kv:.2f} vs {hf:.2f} GB/s (slower direction of each)"),
-        ("sglang: v1 read/write >= 0.8x a copy", verdict(kv >= 0.8 * cp),
-         f"{kv:.2f} vs {cp:.2f} GB/s"),
+        ("sglang: v1 read/write >= 0.8x a copy", verdict(ratio >= 0.8),
+         f"{ratio:.2f} of the copy in the same rounds (slower direction)"),
         ("sglang: batch_exists(128) p50 <= session Lookup", verdict(ex <= lk),
          f"{ex:.0f} vs {lk:.0f} us"),
     ]  # fmt: skip

@@ -284,15 +284,16 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             self.cfg.reconnect_interval_s,
         )
 
-    def _mapped(self, lane: _Lane) -> tuple[KVCacheClient, MappingHandle] | None:
+    def _mapped(self, lane: _Lane, deadline: float) -> tuple[KVCacheClient, MappingHandle] | None:
         """The client and the lane's mapping (made again after a restart or an
-        outage), or None: kvsvc counts as down. Called under ``lane.lock``."""
+        outage, within the call's ``deadline``), or None: kvsvc counts as down.
+        Called under ``lane.lock``."""
         client = self.link.get()
         if client is None:
             return None
         if lane.mapping is not None:
             return client, lane.mapping
-        timeout = self.cfg.fence_timeout_s
+        timeout = min(self.cfg.fence_timeout_s, max(deadline - time.monotonic(), 0.001))
         try:
             info = client.server_info(timeout=timeout)
             if lane.barred_start and info.server_start_id == lane.barred_start:
@@ -390,21 +391,20 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             )
             return 0
         try:
-            got = self._mapped(lane)
+            got = self._mapped(lane, deadline)
             if got is None:
                 return 0
             client, mapping = got
             staged = lane.staging.address
             chunks = [(self.key(k), [i]) for i, k in enumerate(keys)]
             pieces = [(a, min(a + PIECE_PAGES, n)) for a in range(0, n, PIECE_PAGES)]
-            left = max(deadline - time.monotonic(), 0.001)
             futures: list[Future[Any]] = []
             for a, b in pieces:
                 if store:
                     pages.gather(runs[a * per : b * per], staged + a * page_bytes)
-                    futures.append(client.store_async(mapping, chunks[a:b], timeout=left))
-                else:
-                    futures.append(client.retrieve_async(mapping, chunks[a:b], timeout=left))
+                left = max(deadline - time.monotonic(), 0.001)
+                call = client.store_async if store else client.retrieve_async
+                futures.append(call(mapping, chunks[a:b], timeout=left))
             done, errors = 0, []
             for (a, b), f in zip(pieces, futures, strict=True):
                 try:

@@ -338,3 +338,34 @@ def test_absent_seams_are_a_clear_import_error() -> None:
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError:") and "HiCacheStorage.batch_get_v1" in last, last
     assert "tested with SGLang 0.5.23" in last
+
+
+def test_writes_queued_behind_a_slow_one_answer_by_their_deadline(tmp_path: Path) -> None:
+    """Every Store kvsvc serves takes 20 s; store_timeout_s is 4. Two backups at once
+    on one backend: each answers ``False``s within its own deadline (plus margin),
+    the second not after waiting out the first one's deadline and then its own."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    srv = ServerProcess(shm, env={"KVSVC_FAILPOINTS": "handler.enter=Store@sleep(20000)"})
+    pool = mha_pool("page_first")
+    b = registered(storage_config(srv.address, store_timeout_s=4.0), pool)
+    took: dict[int, float] = {}
+    results: dict[int, list[bool]] = {}
+
+    def backup(i: int) -> None:
+        t0 = time.monotonic()
+        results[i] = b.batch_set_v1([f"q{i}"], indices(pool, [i + 1]))
+        took[i] = time.monotonic() - t0
+
+    try:
+        threads = [threading.Thread(target=backup, args=(i,), daemon=True) for i in (0, 1)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(60)
+        assert results == {0: [False], 1: [False]}
+        assert max(took.values()) < 4.0 + 2.5, took
+    finally:
+        b.close()
+        srv.kill()
