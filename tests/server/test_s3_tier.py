@@ -28,7 +28,8 @@ from kvsvc.server.data.store import INLINE_LAYOUT
 from kvsvc.server.tiers.s3 import S3Tier
 from kvsvc.server.tiers.s3.objects import header, object_name
 
-pytestmark = pytest.mark.slow  # starts SeaweedFS and servers
+# starts SeaweedFS and servers; a restart over existing data takes ~20 s on a loaded host
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NS = "s3-tests"
 CHUNK = 256 << 10

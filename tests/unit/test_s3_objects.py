@@ -138,3 +138,15 @@ def test_the_endpoint_takes_no_credentials_and_the_file_gives_them(tmp_path: Pat
     with pytest.raises(ConfigError, match="no \\[default\\] profile"):
         credentials(config)
     assert credentials(ServerConfig()) == {}  # boto3's standard chain
+
+
+def test_without_boto3_the_tier_refuses_to_start_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from kvsvc.server.tiers.s3.client import require_boto3
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"--s3-endpoint needs boto3: pip install 'kvsvc\[s3\]'"):
+        require_boto3()

@@ -32,8 +32,9 @@ from kvsvc.server.tiers.s3.writer import version
 
 #: How long past its budget a reader waits for the loop to reserve its chunk.
 CLAIM_GRACE_S = 0.5
-#: reads queued or running at once; beyond, a read is a miss at once (a stuck
-#: endpoint never queues up requests)
+#: reads queued or running at once beyond which a new load is a miss at once (a
+#: stuck endpoint never queues up requests; a read queued past its load's
+#: deadline ends without asking S3)
 READS_MAX = READERS * 4
 
 
@@ -76,6 +77,9 @@ class Reads:
         ``budget`` s: the chunks committed, read-pinned (the caller releases them)."""
         e = self.endpoint
         deadline = time.monotonic() + max(budget, 0.0)
+        if self.inflight >= READS_MAX:  # earlier loads still wait on S3: a miss at once
+            e.count(e.errors, BUSY)
+            return []
         jobs: list[_Job] = []
         for key in keys:
             if self.store.get(namespace, key, layout) is not None:
@@ -83,9 +87,6 @@ class Reads:
                 continue
             if (namespace, key, layout) in e.stale:  # its newest version never landed
                 e.count(e.rejected, "stale")
-                break
-            if self.inflight >= READS_MAX:
-                e.count(e.errors, BUSY)
                 break
             job = _Job(namespace, key, layout, deadline, done=self.loop.create_future())
             self._submit(job)

@@ -22,6 +22,9 @@ from kvsvc.server.tiers.s3.reads import Reads
 from kvsvc.server.tiers.s3.writer import Writer
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
+#: keys one Lookup HEADs at most (HEADS at once), and HEADs queued or running at
+#: once (beyond, Lookup asks none: a stuck endpoint never queues up Lookups)
+HEADS_MAX = 64
 #: objects per DropNamespace listing page and per DeleteObjects call (S3's most)
 DROP_BATCH = 1000
 
@@ -118,18 +121,19 @@ class S3Tier(Tier):
     # --- Lookup ---
     async def present(self, namespace: str, layout: str, keys: list[bytes]) -> list[bool]:
         """Whether the bucket holds each of the leading ``keys``: those this server
-        wrote or read at once, then one HEAD each (HEADS at once) within the Lookup
-        budget; the answer ends at the first key it cannot vouch for."""
+        wrote or read at once, then one HEAD each (HEADS at once, HEADS_MAX at
+        most) within the Lookup budget; the answer ends at the first key it
+        cannot vouch for."""
         e = self.endpoint
         out: list[bool] = []
         for key in keys:
             if (namespace, key, layout) not in e.known:
                 break
             out.append(True)
-        rest = keys[len(out) : len(out) + HEADS]
+        rest = keys[len(out) : len(out) + HEADS_MAX]
         if not rest:
             return out
-        if self._heading >= 2 * HEADS:  # a stuck endpoint: never queue up Lookups
+        if self._heading >= HEADS_MAX:  # a stuck endpoint: never queue up Lookups
             e.count(e.errors, BUSY)
             return out
         heads = [self._head(namespace, layout, key) for key in rest]
