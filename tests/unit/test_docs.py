@@ -98,3 +98,21 @@ def test_every_kvsvc_command_in_the_docs_is_one_the_cli_has() -> None:
                         bad += [(rel(page), f) for f in flags - serve_flags]
     assert seen >= 5, "the docs show kvsvc commands"
     assert bad == []
+
+
+def test_the_readme_two_commands_say_what_they_do() -> None:
+    """`make serve`'s address and store size are the defaults; `make test`'s list is
+    exactly the Makefile's test prerequisites."""
+    readme = (REPO / "README.md").read_text()
+    serve = re.search(r"^make serve +#.* serves on (\S+) \(CPU store, (\d+) MiB\)$", readme, re.M)
+    assert serve, "README's make serve line"
+    assert SETTINGS["listen"].default == serve[1]
+    assert SETTINGS["store_bytes"].default == int(serve[2]) << 20
+    line = re.search(r"^make test +# installs, then runs every check: (.*)$", readme, re.M)
+    assert line, "README's make test line"
+    alias = {"ruff": "lint", "mypy": "typecheck", "proto drift": "check-proto"}
+    alias["container"] = "test-container"
+    named = {alias.get(n.strip(), n.strip()) for n in line[1].split(",")}
+    makefile = (REPO / "Makefile").read_text()
+    test = re.search(r"^test:(.*)$", makefile, re.M)
+    assert test and named == set(test[1].split()) - {"install"}
