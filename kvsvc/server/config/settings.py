@@ -4,7 +4,7 @@
 Each field below is the whole declaration of one setting: its name (the flag
 ``--name-with-dashes`` and the variable ``KVSVC_NAME``), default, parser and help.
 kvsvc.server.config.sources makes the flags and reads the variables from them, and
-scripts/gen_settings.py writes README's configuration table."""
+scripts/gen_settings.py writes docs/configuration.md's tables."""
 
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ class SecuritySettings:
         "comma-separated uids or user names (`self`: the server's uid), or `off` (memfd "
         "passing only, where the client hands over an fd it opened itself). Every client "
         "that can call Map is trusted with every listed uid's regular, single-link, "
-        "owner-writable files there; see Security",
+        "owner-writable files there; see docs/security.md",
     )
 
     @property
