@@ -289,7 +289,8 @@ def main() -> int:
     import torch
 
     work = tempfile.mkdtemp(prefix="kvsvc-lmcache-bench-", dir="/dev/shm")
-    kv_proc, target = start_kvsvc(work, 2 * total // MIB + 256)
+    # Room for every size's objects and warm-up tasks, with kvsvc's own headroom.
+    kv_proc, target = start_kvsvc(work, 3 * total // MIB + 512)
     redis, redis_port, redis_why = start_redis(work)
     fs_dir = os.path.join(work, "fs")
     os.makedirs(fs_dir)
