@@ -193,12 +193,12 @@ class KvsvcConnectorWorker:
         forward may write them. Only a store can touch them (a load's blocks
         belong to a request waiting for it, which vLLM never preempts), and a store
         only reads them: the hook waits at most ``PREEMPT_WAIT_S`` for those
-        stores, then goes on. A store still running may then have read bytes vLLM
-        rewrote: it is counted and logged (with a mirror every store read the
-        mirror, so none is at risk)."""
+        stores, then goes on. A store still running may then read bytes vLLM
+        rewrote (with a mirror: bytes the blocks' next owner's store copied in): it
+        is counted and logged."""
         with self.lock:
             busy = [t for t in self.transfers if t.kind == "store" and t.req_id in meta.preempted]
-        if not busy or self.staging is not None:
+        if not busy:
             return
         deadline = time.monotonic() + PREEMPT_WAIT_S
         for t in busy:
