@@ -20,7 +20,7 @@ the median over rounds reported with the spread. One object per chunk was
 chosen over packed segments: the raw rows of 2 MiB and 32 MiB objects show
 what packing small chunks into large objects could gain.
 
-    python -m benchmarks.s3_tier [--total-mib 64] [--rounds 3] [--lookups 300] [--smoke]
+    python -m benchmarks.s3_tier [--total-mib 128] [--rounds 3] [--lookups 300] [--smoke]
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--total-mib", type=int, default=64, help="bytes per round and chunk size")
+    p.add_argument("--total-mib", type=int, default=128, help="bytes per round and chunk size")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lookups", type=int, default=300, help="Lookups per case")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
