@@ -299,3 +299,27 @@ def test_a_missing_bucket_is_misses_and_health_stays(shared_weed, node, tmp_path
         assert c.put(NS, chunks(1, b"after")).stored_chunks == 1
     assert health_status(a.address) == SERVING
     assert corrupt_loads(a) == 0
+
+
+def test_an_endpoint_down_at_start_is_misses_until_it_answers(node, tmp_path) -> None:
+    """Nothing listens there: the server starts, reads are misses, Stores succeed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    creds = tmp_path / "aws"
+    creds.write_text("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    a = node(
+        "a",
+        s3_endpoint=f"http://127.0.0.1:{port}",
+        s3_credentials_file=str(creds),
+        s3_timeout=2.0,
+    )
+    with KVCacheClient(a.address) as c:
+        items = chunks(2, b"down")
+        assert c.put(NS, items).stored_chunks == 2
+        assert get_within(c, items[0][0]) == items[0][1]  # from memory
+        assert get_within(c, b"absent") is None
+    assert tier(a).endpoint.errors.get("connection", 0) >= 1
+    assert health_status(a.address) == SERVING

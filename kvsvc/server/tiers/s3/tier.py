@@ -60,8 +60,11 @@ class S3Tier(Tier):
         breaker and misses handle it until it does)."""
         e = self.endpoint
         e.connect()
+        # On a thread, waited for --s3-timeout and a second at most: a resolver or
+        # endpoint that never answers does not hold the start-up longer.
+        probe = self._heads.submit(e.client.head_bucket, Bucket=e.bucket)
         try:
-            e.client.head_bucket(Bucket=e.bucket)
+            probe.result(e.timeout + 1.0)
             log.info("s3 tier: bucket %s answers", e.where)
         except Exception as exc:  # noqa: BLE001 - judged below
             kind = error_kind(exc)
