@@ -607,7 +607,8 @@ def test_one_store_larger_than_the_capacity_keeps_the_capacity(make_server, tmp_
     skipped and counted, so the files on disk never exceed the capacity."""
     root = tmp_path / "disk"
     capacity = 3 * MiB
-    srv = make_server(store_bytes=8 * MiB, disk_dir=str(root), disk_capacity=capacity)
+    # A store whose write-behind queue (a quarter of it) takes all six at once.
+    srv = make_server(store_bytes=32 * MiB, disk_dir=str(root), disk_capacity=capacity)
     disk = srv.server.servicer.tiers.named("disk")
     assert disk is not None
     wait_health(srv.address, SERVING)
@@ -618,8 +619,11 @@ def test_one_store_larger_than_the_capacity_keeps_the_capacity(make_server, tmp_
     while disk.queued_bytes or disk.pending_bytes:
         assert time.monotonic() < end, "the disk writes did not land in 30 s"
         time.sleep(0.05)
-    held = sum(p.stat().st_size for p in chunk_files(root))
+    files = chunk_files(root)
+    held = sum(p.stat().st_size for p in files)
     assert held <= capacity, (held, capacity)
+    assert len(files) == 5, disk.stats  # each 512 KiB plus its header: five fit
+    assert disk.stats.skipped_queue == 0, disk.stats
     assert disk.used_bytes <= capacity
     # Whichever way the writes' landing interleaved with the Store: made room or skipped.
     assert disk.stats.skipped_capacity + disk.stats.evicted >= 1, disk.stats

@@ -344,7 +344,6 @@ class DiskTier(Tier):
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
-        return not over()
 
     def _probed(self, outcome: str | None) -> None:
         self.health.probed(outcome if outcome in DOWN_REASONS or outcome is None else "io")
@@ -417,6 +416,7 @@ class DiskTier(Tier):
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
+        return not over()
 
     async def drop(self, namespace: str, budget: float, result: pb.DropNamespaceResult) -> None:
         result.disk_chunks, result.disk_bytes = self.drop_namespace(namespace)
