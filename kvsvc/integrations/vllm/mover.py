@@ -15,8 +15,9 @@ on the job's thread (the GIL released), never a dropped store.
 kvsvc only ever writes the staging region, so a transfer whose outcome is unknown
 (deadline passed mid-copy, connection lost) is answered failed at once: vLLM's
 slots were never handed to the server. Its staging slots are held until a Fence by
-the same server start proves the copy ended; a new mapping (after a restart) gets
-a new staging region, and the old one is left to the server that still maps it."""
+the same server start proves the copy ended; mapping again (a reconnect, a
+restart) passes the same staging region, or, while a held copy may still use it,
+a new one (the old one is left to the server that still maps it)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class Staging:
         self.free[load].extend(slots)
 
     def close_fd(self) -> None:
-        """The server holds its own once registered; the mapping keeps ours alive."""
+        """Kept to pass again after a reconnect; closed once replaced or closed (the
+        server holds its own, the mapping here keeps the memory alive)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -321,8 +323,9 @@ class Mover:
         return False
 
     def _mapping(self) -> tuple[MappingHandle, Staging] | None:
-        """The mapping and its staging, made now if there is none (after a restart:
-        a new staging region). None while kvsvc counts as down."""
+        """The mapping and its staging, made now if there is none. The staging region
+        is passed again as it is (the same memory: a server that maps it twice holds
+        no more), unless a copy of unknown outcome may still use it: then a new one."""
         with self.lock:
             if self.mapping is not None and self.staging is not None:
                 return self.mapping, self.staging
@@ -330,14 +333,18 @@ class Mover:
             with self.lock:
                 if self.mapping is not None and self.staging is not None:
                     return self.mapping, self.staging
+                staging = self.staging
+                if staging is not None and any(h.staging is staging for h in self.held):
+                    staging = None
             client = self.link.get()
             if client is None:
                 return None
-            try:
-                staging = Staging(self.slots, self.row_bytes)
-            except OSError as exc:
-                self.warn.warning("kvsvc tier: no staging memfd (%s); tier misses", exc)
-                return None
+            if staging is None:
+                try:
+                    staging = Staging(self.slots, self.row_bytes)
+                except OSError as exc:
+                    self.warn.warning("kvsvc tier: no staging memfd (%s); tier misses", exc)
+                    return None
             try:
                 mapping = self._map(client, staging)
             except KVServiceError as exc:
@@ -349,9 +356,9 @@ class Mover:
                     self.cfg.reconnect_interval_s,
                 )
                 return None
-            finally:
-                staging.close_fd()
             with self.lock:
+                if self.staging is not None and self.staging is not staging:
+                    self.staging.close_fd()  # the server keeps what it still maps
                 self.mapping, self.staging = mapping, staging
                 # Slots of an older staging region are no one's to give back.
                 self.held = [h for h in self.held if h.staging is staging]
@@ -423,6 +430,9 @@ class Mover:
                 while q:
                     self._answer(q.popleft(), 0)
         self.link.close()
+        with self.lock:
+            if self.staging is not None:
+                self.staging.close_fd()
 
 
 __all__ = ["MAX_QUEUED", "STAGING_BYTES", "Job", "Mover", "Outcome", "Staging"]
