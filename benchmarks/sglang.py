@@ -200,7 +200,7 @@ def table(r: dict[str, Any]) -> str:
         f"| torch copy_ of the same bytes | {r['memcpy_gbps']:.2f} | {r['memcpy_gbps']:.2f} |",
         "",
         f"kvsvc / copy, median of each round's ratio: write {r['kv_set_ratio']:.2f}, read "
-        f"{r['kv_get_ratio']:.2f} (goal >= 0.8; before issue 41: 0.54 / 0.37)",
+        f"{r['kv_get_ratio']:.2f} (goal >= 0.8)",
         "",
         f"batch_exists of 128 keys p50: {r['exists_p50_us']:.1f} us (presence index); "
         f"session Lookup p50: {r['lookup_p50_us']:.1f} us",
