@@ -67,7 +67,7 @@ export KVSVC_VLLM_033 KVSVC_VLLM_034
 # The tests that need no engine: run again under each newer vLLM.
 ENGINE_FREE="tests/e2e/vllm/test_tier.py tests/e2e/vllm/test_secured.py
 tests/e2e/vllm/test_presence.py tests/e2e/vllm/test_model_identity.py
-tests/e2e/vllm/test_connector_contract.py"
+tests/e2e/vllm/test_connector_contract.py tests/e2e/vllm/test_tier_contract.py"
 
 export KVSVC_VLLM_REQUIRED=1
 # An engine fixture (20-60 s to start an engine) runs inside its first test's limit.
