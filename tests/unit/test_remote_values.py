@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import pytest
@@ -20,11 +19,7 @@ from kvsvc.server.data.copies import checksum, segments
 from kvsvc.server.tiers.redis import (
     BAD_CHECKSUM,
     BAD_HEADER,
-    CLOSED,
-    HALF_OPEN,
-    OPEN,
     OTHER_LAYOUT,
-    Breaker,
     Rejected,
     Staging,
     encode,
@@ -127,26 +122,6 @@ def test_keys_are_namespaced_and_free_of_cluster_hash_tags() -> None:
         == 8
     )
     assert redis_key("p", "a", "f", b"x") != redis_key("q", "a", "f", b"x")
-
-
-def test_breaker_opens_after_failures_and_lets_one_probe_through() -> None:
-    b = Breaker(failures=3, open_s=0.05)
-    for _ in range(2):
-        assert b.allow()
-        b.failure()
-    assert b.state == CLOSED
-    b.failure()
-    assert b.state == OPEN and b.blocked() and not b.allow()
-    time.sleep(0.06)
-    assert not b.blocked()  # asking does not take the probe's turn
-    assert b.allow() and b.state == HALF_OPEN and b.blocked()
-    assert not b.allow()  # one probe at a time
-    b.failure()
-    assert b.state == OPEN and not b.allow()
-    time.sleep(0.06)
-    assert b.allow()
-    b.success()
-    assert b.state == CLOSED and b.allow()
 
 
 def test_remote_settings() -> None:

@@ -18,13 +18,10 @@ from kvsvc.server.data.copies import checksum, segments
 from kvsvc.server.tiers.s3.client import (
     AUTH,
     BUCKET,
-    CLOSED,
     CONNECTION,
     MISSING,
-    OPEN,
     SERVER,
     TIMEOUT,
-    Breaker,
     credentials,
     error_kind,
 )
@@ -109,18 +106,6 @@ def test_every_failure_has_a_kind() -> None:
     assert error_kind(client_error("SlowDown", 503)) == SERVER
     assert error_kind(EndpointConnectionError(endpoint_url="http://x")) == CONNECTION
     assert error_kind(ReadTimeoutError(endpoint_url="http://x")) == TIMEOUT
-
-
-def test_the_breaker_opens_after_failures_and_one_probe_closes_it() -> None:
-    b = Breaker(failures=2, open_s=0.0)
-    b.failure()
-    assert b.state == CLOSED and b.allow()
-    b.failure()
-    assert b.state == OPEN and b.opened_total == 1
-    assert b.allow()  # open_s passed: the one probe
-    assert not b.allow()  # nobody else while it probes
-    b.success()
-    assert b.state == CLOSED and b.allow()
 
 
 def test_the_endpoint_takes_no_credentials_and_the_file_gives_them(tmp_path: Path) -> None:

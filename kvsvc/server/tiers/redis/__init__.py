@@ -21,21 +21,18 @@ Inside this package ``import redis`` is redis-py (absolute imports).
 
 from __future__ import annotations
 
+from kvsvc.server.tiers.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from kvsvc.server.tiers.redis.connection import reuse_freed_memory, value_connection_settings
 from kvsvc.server.tiers.redis.health import (
     AUTH,
     BREAKER_OPEN,
     BUSY,
-    CLOSED,
     CONNECTION,
     DNS,
-    HALF_OPEN,
-    OPEN,
     OTHER,
     RESPONSE,
     TIMEOUT,
     TLS,
-    Breaker,
     Resolver,
     error_kind,
 )

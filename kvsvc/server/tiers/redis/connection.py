@@ -41,13 +41,13 @@ from kvsvc.server.config import (
     remote_password,
 )
 from kvsvc.server.data.store import ChunkStore
+from kvsvc.server.tiers.breaker import Breaker
 from kvsvc.server.tiers.redis.health import (
     BREAKER_OPEN,
     BUSY,
     CONNECTION,
     DNS,
     TIMEOUT,
-    Breaker,
     Resolver,
     Skipped,
     error_kind,
@@ -113,7 +113,13 @@ class Connections:
         self.part_bytes = config.tiers.remote_value_bytes
         self.store = store
         self.loop = loop
-        self.breaker = Breaker(REMOTE_BREAKER_FAILURES, REMOTE_BREAKER_OPEN_S)
+        self.breaker = Breaker(
+            REMOTE_BREAKER_FAILURES,
+            REMOTE_BREAKER_OPEN_S,
+            tier="remote",
+            what="Redis",
+            meanwhile="remote reads are misses, writes are dropped",
+        )
         self.resolver = Resolver(config.tiers.remote, config.tiers.remote_timeout)
         self.cluster = "+cluster" in config.tiers.remote.split("://", 1)[0]
         self.tls_ca, self.tls_cert, self.tls_key = (

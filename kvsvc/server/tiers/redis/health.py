@@ -39,7 +39,6 @@ TIMEOUT, CONNECTION, AUTH, TLS, DNS, RESPONSE, BREAKER_OPEN, BUSY, OTHER = (
     "busy",
     "other",
 )
-CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 
 
 def error_kind(exc: BaseException) -> str:
@@ -84,63 +83,6 @@ def consume(fut: asyncio.Future[Any]) -> None:
     """Read a dropped exchange's outcome so asyncio does not log it as never retrieved."""
     if not fut.cancelled():
         fut.exception()
-
-
-class Breaker:
-    """Closed → open after REMOTE_BREAKER_FAILURES failures in a row; open → one probe
-    call after REMOTE_BREAKER_OPEN_S; the probe's outcome closes or reopens it."""
-
-    def __init__(self, failures: int, open_s: float) -> None:
-        self.failures = failures
-        self.open_s = open_s
-        self.state = CLOSED
-        self._fails = 0
-        self._opened = 0.0
-        self._probing = False
-        self._lock = threading.Lock()
-        self.opened_total = 0
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self.state == CLOSED:
-                return True
-            if self.state == OPEN and time.monotonic() - self._opened >= self.open_s:
-                self.state = HALF_OPEN
-            if self.state == HALF_OPEN and not self._probing:
-                self._probing = True
-                return True
-            return False
-
-    def blocked(self) -> bool:
-        """Whether a call now would be refused (without taking the probe's turn)."""
-        with self._lock:
-            if self.state == CLOSED:
-                return False
-            if self.state == OPEN:
-                return time.monotonic() - self._opened < self.open_s
-            return self._probing
-
-    def success(self) -> None:
-        with self._lock:
-            if self.state != CLOSED:
-                log.warning("remote tier: Redis answers again; breaker closed")
-            self.state, self._fails, self._probing = CLOSED, 0, False
-
-    def failure(self) -> None:
-        with self._lock:
-            self._fails += 1
-            self._probing = False
-            if self.state == HALF_OPEN or (self.state == CLOSED and self._fails >= self.failures):
-                if self.state == CLOSED:
-                    log.warning(
-                        "remote tier: %d Redis failures in a row; breaker open, probing "
-                        "every %g s (remote reads are misses, writes are dropped)",
-                        self._fails,
-                        self.open_s,
-                    )
-                    self.opened_total += 1
-                self.state = OPEN
-                self._opened = time.monotonic()
 
 
 class Resolver:

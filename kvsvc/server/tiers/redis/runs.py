@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 
 from kvsvc.server.config import REMOTE_RUN_CHECK_S
+from kvsvc.server.tiers.breaker import OPEN
 from kvsvc.server.tiers.redis.connection import UNCONFIRMED_MAX
-from kvsvc.server.tiers.redis.health import OPEN, log
+from kvsvc.server.tiers.redis.health import log
 from kvsvc.server.tiers.redis.links import checked
 from kvsvc.server.tiers.redis.lookup import Lookups
 from kvsvc.server.tiers.redis.values import redis_key

@@ -15,11 +15,11 @@ from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import ChunkStore
 from kvsvc.server.events import EventLog
 from kvsvc.server.tiers.base import Tier
+from kvsvc.server.tiers.breaker import OPEN
 from kvsvc.server.tiers.redis.connection import reuse_freed_memory
 from kvsvc.server.tiers.redis.fetch import Fetches
 from kvsvc.server.tiers.redis.health import (
     AUTH,
-    OPEN,
     Skipped,
     Unresolved,
     caused_by,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import configparser
 import logging
-import threading
-import time
 from typing import Any
 
 from kvsvc.errors import BoundedLog
@@ -34,7 +32,6 @@ MISSING, AUTH, BUCKET, TIMEOUT, CONNECTION, SERVER, BREAKER_OPEN, BUSY, OTHER = 
     "busy",
     "other",
 )
-CLOSED, OPEN, HALF_OPEN = 0, 1, 2
 
 _AUTH_CODES = {
     "AccessDenied",
@@ -143,51 +140,3 @@ def error_kind(exc: BaseException) -> str:
     ):
         return CONNECTION
     return OTHER
-
-
-class Breaker:
-    """Closed → open after BREAKER_FAILURES failures in a row; open → one probe call
-    after BREAKER_OPEN_S; the probe's outcome closes or reopens it."""
-
-    def __init__(self, failures: int = BREAKER_FAILURES, open_s: float = BREAKER_OPEN_S) -> None:
-        self.failures = failures
-        self.open_s = open_s
-        self.state = CLOSED
-        self.opened_total = 0
-        self._fails = 0
-        self._opened = 0.0
-        self._probing = False
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self.state == CLOSED:
-                return True
-            if self.state == OPEN and time.monotonic() - self._opened >= self.open_s:
-                self.state = HALF_OPEN
-            if self.state == HALF_OPEN and not self._probing:
-                self._probing = True
-                return True
-            return False
-
-    def success(self) -> None:
-        with self._lock:
-            if self.state != CLOSED:
-                log.warning("s3 tier: the endpoint answers again; breaker closed")
-            self.state, self._fails, self._probing = CLOSED, 0, False
-
-    def failure(self) -> None:
-        with self._lock:
-            self._fails += 1
-            self._probing = False
-            if self.state == HALF_OPEN or (self.state == CLOSED and self._fails >= self.failures):
-                if self.state == CLOSED:
-                    log.warning(
-                        "s3 tier: %d failures in a row; breaker open, probing every %g s "
-                        "(S3 reads are misses, writes are skipped)",
-                        self._fails,
-                        self.open_s,
-                    )
-                    self.opened_total += 1
-                self.state = OPEN
-                self._opened = time.monotonic()

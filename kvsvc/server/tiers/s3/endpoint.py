@@ -11,10 +11,12 @@ from typing import Any, TypeVar
 
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.store import ChunkKey
+from kvsvc.server.tiers.breaker import Breaker
 from kvsvc.server.tiers.s3.client import (
+    BREAKER_FAILURES,
     BREAKER_OPEN,
+    BREAKER_OPEN_S,
     MISSING,
-    Breaker,
     error_kind,
     make_client,
     warn,
@@ -55,7 +57,13 @@ class Endpoint:
         self.bucket = tiers.s3_bucket
         self.prefix = tiers.s3_prefix.strip("/")
         self.timeout = tiers.s3_timeout
-        self.breaker = Breaker()
+        self.breaker = Breaker(
+            BREAKER_FAILURES,
+            BREAKER_OPEN_S,
+            tier="s3",
+            what="S3",
+            meanwhile="S3 reads are misses, writes are skipped",
+        )
         self.client: Any = None
         self.closed = False
         self.lock = threading.Lock()

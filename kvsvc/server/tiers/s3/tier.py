@@ -15,7 +15,8 @@ from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import Chunk, ChunkStore
 from kvsvc.server.events import EventLog
 from kvsvc.server.tiers.base import Tier
-from kvsvc.server.tiers.s3.client import AUTH, BUCKET, BUSY, OPEN, error_kind, log, warn
+from kvsvc.server.tiers.breaker import OPEN
+from kvsvc.server.tiers.s3.client import AUTH, BUCKET, BUSY, error_kind, log, warn
 from kvsvc.server.tiers.s3.endpoint import HEADS, Endpoint, Missing, Skipped
 from kvsvc.server.tiers.s3.objects import namespace_prefix, object_name
 from kvsvc.server.tiers.s3.reads import Reads
