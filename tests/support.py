@@ -229,3 +229,12 @@ def flip(store: ChunkStore, namespace: str, key: bytes, rng: random.Random) -> i
     at = rng.randrange(chunk.size)
     store.view[chunk.offset + at] ^= 1 << rng.randrange(8)
     return at
+
+
+def write_model_dir(path: Path, weights: bytes) -> str:
+    """A model directory as a plug-in's weights identity reads it (a config and one
+    weight file; kvsvc.integrations.identity): written again, other weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "model.safetensors").write_bytes(weights)
+    return str(path)

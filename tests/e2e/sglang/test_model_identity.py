@@ -13,6 +13,7 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="runs in .ven
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang_pools import mha_pool
+from support import write_model_dir
 
 from kvsvc.integrations.identity import weights_identity
 from kvsvc.integrations.sglang.storage import KvsvcHiCacheStorage
@@ -23,13 +24,6 @@ def fresh() -> Iterator[None]:
     weights_identity.cache_clear()
     yield
     weights_identity.cache_clear()
-
-
-def write_model(path: Path, weights: bytes) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text('{"model_type": "llama"}')
-    (path / "model.safetensors").write_bytes(weights)
-    return str(path)
 
 
 def namespace(model: str, **extra: str) -> str:
@@ -58,16 +52,16 @@ def namespace(model: str, **extra: str) -> str:
 
 
 def test_other_weights_under_one_path_get_another_namespace(tmp_path: Path) -> None:
-    model = write_model(tmp_path / "model", b"\x01" * 256)
+    model = write_model_dir(tmp_path / "model", b"\x01" * 256)
     first = namespace(model)
     assert namespace(model) == first, "the same weights must share"
-    write_model(tmp_path / "model", b"\x02" * 512)  # a fine-tune deployed over the path
+    write_model_dir(tmp_path / "model", b"\x02" * 512)  # a fine-tune deployed over the path
     assert namespace(model) != first
 
 
 def test_an_operator_set_identity_decides(tmp_path: Path) -> None:
-    model = write_model(tmp_path / "model", b"\x01" * 256)
+    model = write_model_dir(tmp_path / "model", b"\x01" * 256)
     first = namespace(model, model_identity="release-7")
-    write_model(tmp_path / "model", b"\x01" * 300)
+    write_model_dir(tmp_path / "model", b"\x01" * 300)
     assert namespace(model, model_identity="release-7") == first
     assert namespace(model, model_identity="release-8") != first

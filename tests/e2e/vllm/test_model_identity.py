@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering", reason="the vLLM tests run in .venv-vllm")
 
 from direct import KV_CACHE_CONFIG, vllm_config
+from support import write_model_dir
 from tiering import offload_config
 from vllm.v1.kv_offload.config import OffloadingModelConfig
 
@@ -26,13 +27,6 @@ def fresh() -> Iterator[None]:
     weights_identity.cache_clear()
     yield
     weights_identity.cache_clear()
-
-
-def write_model(path: Path, weights: bytes) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text('{"model_type": "llama"}')
-    (path / "model.safetensors").write_bytes(weights)
-    return str(path)
 
 
 def connector_ns(model: str, **extra: str) -> str:
@@ -51,18 +45,18 @@ def tier_ns(model: str, **extra: str) -> str:
 
 @pytest.mark.parametrize("namespace_of", [connector_ns, tier_ns], ids=["connector", "tier"])
 def test_other_weights_under_one_path_get_another_namespace(tmp_path: Path, namespace_of) -> None:  # type: ignore[no-untyped-def]
-    model = write_model(tmp_path / "model", b"\x01" * 256)
+    model = write_model_dir(tmp_path / "model", b"\x01" * 256)
     first = namespace_of(model)
     assert namespace_of(model) == first, "the same weights must share"
-    write_model(tmp_path / "model", b"\x02" * 512)  # a fine-tune deployed over the path
+    write_model_dir(tmp_path / "model", b"\x02" * 512)  # a fine-tune deployed over the path
     assert namespace_of(model) != first
 
 
 @pytest.mark.parametrize("namespace_of", [connector_ns, tier_ns], ids=["connector", "tier"])
 def test_an_operator_set_identity_decides(tmp_path: Path, namespace_of) -> None:  # type: ignore[no-untyped-def]
-    model = write_model(tmp_path / "model", b"\x01" * 256)
+    model = write_model_dir(tmp_path / "model", b"\x01" * 256)
     first = namespace_of(model, model_identity="release-7")
-    write_model(tmp_path / "model", b"\x01" * 300)
+    write_model_dir(tmp_path / "model", b"\x01" * 300)
     assert namespace_of(model, model_identity="release-7") == first
     assert namespace_of(model, model_identity="release-8") != first
 
