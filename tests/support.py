@@ -238,3 +238,13 @@ def write_model_dir(path: Path, weights: bytes) -> str:
     (path / "config.json").write_text('{"model_type": "llama"}')
     (path / "model.safetensors").write_bytes(weights)
     return str(path)
+
+
+#: docs/metrics.md: the metrics reference
+METRICS_DOC = REPO / "docs" / "metrics.md"
+
+
+def documented_metrics() -> dict[str, str]:
+    """docs/metrics.md's reference tables: series name -> type."""
+    row = re.compile(r"^\| `([a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.M)
+    return dict(row.findall(METRICS_DOC.read_text()))

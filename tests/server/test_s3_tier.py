@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from s3_servers import SeaweedServer
-from support import SERVING, ServerThread, health_status
+from support import SERVING, ServerThread, documented_metrics, health_status
 
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
@@ -144,6 +144,20 @@ def test_two_servers_share_chunks_through_s3(shared_weed, node, tmp_path) -> Non
     assert row.retrieve_hit_chunks == 4 and row.read_bytes == 4 * CHUNK and row.writing
     # loaded from S3: not written back to it
     assert tier(b).endpoint.writes == 0
+
+
+def test_the_metrics_reference_lists_exactly_the_s3_series(shared_weed, node, tmp_path) -> None:
+    """docs/metrics.md's S3 rows are the kvsvc_s3_* families a server with an S3 tier
+    exports, with their types (the monitoring test holds the rest of the page)."""
+    st = node("m", **s3_settings(shared_weed, tmp_path))
+    text = generate_latest(st.server.servicer.metrics.registry).decode()
+    exported = {
+        f.name + ("_total" if f.type == "counter" else ""): f.type
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("kvsvc_s3_")
+    }
+    documented = {n: k for n, k in documented_metrics().items() if n.startswith("kvsvc_s3_")}
+    assert exported and documented == exported
 
 
 def test_drop_namespace_deletes_the_namespaces_objects(shared_weed, node, tmp_path) -> None:
