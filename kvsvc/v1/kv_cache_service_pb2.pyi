@@ -109,6 +109,10 @@ class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType],
     """The shared Redis tier (as far as this server has seen it)."""
     TIER_DISK: _Tier.ValueType  # 3
     """The server's local disk tier."""
+    TIER_S3: _Tier.ValueType  # 4
+    """The shared S3-compatible object tier (as far as this server has seen it)."""
+    TIER_MOONCAKE: _Tier.ValueType  # 5
+    """The shared Mooncake Store tier (as far as this server has seen it)."""
 
 class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
     """The tier an event is about."""
@@ -120,6 +124,10 @@ TIER_REDIS: Tier.ValueType  # 2
 """The shared Redis tier (as far as this server has seen it)."""
 TIER_DISK: Tier.ValueType  # 3
 """The server's local disk tier."""
+TIER_S3: Tier.ValueType  # 4
+"""The shared S3-compatible object tier (as far as this server has seen it)."""
+TIER_MOONCAKE: Tier.ValueType  # 5
+"""The shared Mooncake Store tier (as far as this server has seen it)."""
 Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
 class _RemovalReason:
@@ -1274,7 +1282,7 @@ Global___ServerStats: _TypeAlias = ServerStats  # noqa: Y015
 
 @_typing.final
 class TierStats(_message.Message):
-    """One tier: "memory" (the chunk store), "disk" or "redis"."""
+    """One tier: "memory" (the chunk store), "disk", "redis", "s3" or "mooncake"."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1665,6 +1673,9 @@ class DropNamespaceResult(_message.Message):
     REDIS_KEYS_FIELD_NUMBER: _builtins.int
     REDIS_COMPLETE_FIELD_NUMBER: _builtins.int
     SERVER_START_ID_FIELD_NUMBER: _builtins.int
+    S3_OBJECTS_FIELD_NUMBER: _builtins.int
+    S3_BYTES_FIELD_NUMBER: _builtins.int
+    S3_COMPLETE_FIELD_NUMBER: _builtins.int
     dropped_chunks: _builtins.int
     """Chunks dropped from the memory store, and their bytes."""
     dropped_bytes: _builtins.int
@@ -1680,6 +1691,16 @@ class DropNamespaceResult(_message.Message):
     left there is still keyed under the namespace and expires with --remote-ttl.
     """
     server_start_id: _builtins.str
+    s3_objects: _builtins.int
+    """Objects deleted from the S3 tier under the namespace's prefix (0 without the
+    tier), and their bytes.
+    """
+    s3_bytes: _builtins.int
+    s3_complete: _builtins.bool
+    """False when the server has an S3 tier and could not list and delete every
+    object within the call's deadline; what is left stays under the namespace's
+    prefix (a bucket lifecycle rule on it removes it).
+    """
     def __init__(
         self,
         *,
@@ -1690,10 +1711,13 @@ class DropNamespaceResult(_message.Message):
         redis_keys: _builtins.int = ...,
         redis_complete: _builtins.bool = ...,
         server_start_id: _builtins.str = ...,
+        s3_objects: _builtins.int = ...,
+        s3_bytes: _builtins.int = ...,
+        s3_complete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "dropped_bytes", b"dropped_bytes", "dropped_chunks", b"dropped_chunks", "redis_complete", b"redis_complete", "redis_keys", b"redis_keys", "server_start_id", b"server_start_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "dropped_bytes", b"dropped_bytes", "dropped_chunks", b"dropped_chunks", "redis_complete", b"redis_complete", "redis_keys", b"redis_keys", "s3_bytes", b"s3_bytes", "s3_complete", b"s3_complete", "s3_objects", b"s3_objects", "server_start_id", b"server_start_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -175,8 +175,8 @@ class KVCacheServiceServicer:
     def DropNamespace(self, request, context):
         """Drops every chunk of one of the caller's namespaces at once (e.g. a user
         deleted, one cache salt's namespace): from memory (a chunk being read is
-        freed by its last reader; one being written is not kept) and from the disk
-        and Redis tiers the server has. Removals are announced on WatchEvents with
+        freed by its last reader; one being written is not kept) and from the disk,
+        Redis and S3 tiers the server has. Removals are announced on WatchEvents with
         REMOVAL_REASON_DROPPED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -71,8 +71,8 @@ class KVCacheServiceStub:
     DropNamespace: _grpc.UnaryUnaryMultiCallable[_kv_cache_service_pb2.DropNamespaceRequest, _kv_cache_service_pb2.DropNamespaceResponse]
     """Drops every chunk of one of the caller's namespaces at once (e.g. a user
     deleted, one cache salt's namespace): from memory (a chunk being read is
-    freed by its last reader; one being written is not kept) and from the disk
-    and Redis tiers the server has. Removals are announced on WatchEvents with
+    freed by its last reader; one being written is not kept) and from the disk,
+    Redis and S3 tiers the server has. Removals are announced on WatchEvents with
     REMOVAL_REASON_DROPPED.
     """
 
@@ -119,8 +119,8 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     DropNamespace: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.DropNamespaceRequest, _kv_cache_service_pb2.DropNamespaceResponse]  # type: ignore[assignment]
     """Drops every chunk of one of the caller's namespaces at once (e.g. a user
     deleted, one cache salt's namespace): from memory (a chunk being read is
-    freed by its last reader; one being written is not kept) and from the disk
-    and Redis tiers the server has. Removals are announced on WatchEvents with
+    freed by its last reader; one being written is not kept) and from the disk,
+    Redis and S3 tiers the server has. Removals are announced on WatchEvents with
     REMOVAL_REASON_DROPPED.
     """
 
@@ -224,8 +224,8 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kv_cache_service_pb2.DropNamespaceResponse, _abc.Awaitable[_kv_cache_service_pb2.DropNamespaceResponse]]:
         """Drops every chunk of one of the caller's namespaces at once (e.g. a user
         deleted, one cache salt's namespace): from memory (a chunk being read is
-        freed by its last reader; one being written is not kept) and from the disk
-        and Redis tiers the server has. Removals are announced on WatchEvents with
+        freed by its last reader; one being written is not kept) and from the disk,
+        Redis and S3 tiers the server has. Removals are announced on WatchEvents with
         REMOVAL_REASON_DROPPED.
         """
 

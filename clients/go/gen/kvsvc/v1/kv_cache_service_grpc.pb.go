@@ -47,8 +47,8 @@ type KVCacheServiceClient interface {
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (KVCacheService_WatchEventsClient, error)
 	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
 	// deleted, one cache salt's namespace): from memory (a chunk being read is
-	// freed by its last reader; one being written is not kept) and from the disk
-	// and Redis tiers the server has. Removals are announced on WatchEvents with
+	// freed by its last reader; one being written is not kept) and from the disk,
+	// Redis and S3 tiers the server has. Removals are announced on WatchEvents with
 	// REMOVAL_REASON_DROPPED.
 	DropNamespace(ctx context.Context, in *DropNamespaceRequest, opts ...grpc.CallOption) (*DropNamespaceResponse, error)
 }
@@ -230,8 +230,8 @@ type KVCacheServiceServer interface {
 	WatchEvents(*WatchEventsRequest, KVCacheService_WatchEventsServer) error
 	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
 	// deleted, one cache salt's namespace): from memory (a chunk being read is
-	// freed by its last reader; one being written is not kept) and from the disk
-	// and Redis tiers the server has. Removals are announced on WatchEvents with
+	// freed by its last reader; one being written is not kept) and from the disk,
+	// Redis and S3 tiers the server has. Removals are announced on WatchEvents with
 	// REMOVAL_REASON_DROPPED.
 	DropNamespace(context.Context, *DropNamespaceRequest) (*DropNamespaceResponse, error)
 	mustEmbedUnimplementedKVCacheServiceServer()
