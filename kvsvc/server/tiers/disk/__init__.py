@@ -15,13 +15,15 @@ server saw the disk take writes again).
 One job per module:
 
 - ``tier``: DiskTier, what the servicer calls (the store's listener, Lookup's and
-  Retrieve's view, the capacity) and its life.
+  Retrieve's view) and its life.
+- ``capacity``: --disk-capacity's accounting, and which files go to make room.
 - ``format``: the file format (header, CRC-32C, file names).
 - ``index``: what the disk holds, rebuilt at start; quarantine.
 - ``writer``: the bounded write-behind queue and its thread.
 - ``reader``: loads back into the store on reader threads.
 - ``heal``: whether the disk takes writes; the probe; the removals owed.
-- ``owed``: the removals owed, recorded where the next start finds them.
+- ``owed``: the removals owed, recorded where the next start finds them (and paid
+  there at start).
 """
 
 from __future__ import annotations

@@ -117,6 +117,31 @@ class OwedRecord:
             except OSError as exc:
                 self._failed(exc)
 
+    def pay(self) -> list[str]:
+        """At start, before the index is rebuilt: remove the files an earlier process
+        owed. Returns those still refused (recorded again: never to be indexed)."""
+        names = self.load()
+        if not names:
+            return []
+        left = []
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.root, name))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                left.append(name)
+                log.warning("disk tier: removing %s, owed by an earlier server: %s", name, exc)
+        self.write(left)
+        log.warning(
+            "disk tier: %d files an earlier server owed removal (a version replaced, or a "
+            "file dropped, while %s refused writes): removed before the index is rebuilt%s",
+            len(names) - len(left),
+            self.root,
+            f"; {len(left)} still refused, kept out of the index" if left else "",
+        )
+        return left
+
     def _own_dir(self) -> None:
         """The record's directory, made if missing; refused (OSError) unless it is a
         directory of this user that no one else may enter (never one a client made)."""

@@ -1,11 +1,11 @@
 """DiskTier, the disk tier behind the tier interface (kvsvc.server.tiers.base):
 it writes chunks to disk (every committed one with --disk-write through, behind
 the reply; those memory evicts with ``evict``, copied out in the eviction itself,
-before the store can reuse their bytes), Lookup's and Retrieve's view of what the disk holds, the
-capacity (least recently used files removed), and its life: the directory
-checked at start (unwritable: a ConfigError naming it, exit 2), the index
-rebuilt on a thread (health held NOT_SERVING meanwhile with --disk-wait-index),
-the queue drained at stop.
+before the store can reuse their bytes), Lookup's and Retrieve's view of what
+the disk holds, the files evicted for room (kvsvc.server.tiers.disk.capacity
+chooses them), and its life: the directory checked at start (unwritable: a
+ConfigError naming it, exit 2), the index rebuilt on a thread (health held
+NOT_SERVING meanwhile with --disk-wait-index), the queue drained at stop.
 
 Best-effort like every tier: a full disk, an I/O error, a file deleted or
 truncated under the server are a skipped write or a miss (counted), never a
@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from kvsvc.server.config import ConfigError, ServerConfig, check_disk_dir
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
 from kvsvc.server.tiers.base import Tier
+from kvsvc.server.tiers.disk.capacity import Capacity
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
 from kvsvc.server.tiers.disk.heal import DOWN_REASONS, WriteHealth
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
@@ -101,7 +102,6 @@ class DiskTier(Tier):
     ) -> None:
         t = config.tiers
         self.root = os.path.abspath(t.disk_dir)
-        self.capacity = t.disk_capacity
         self.mode = t.disk_write
         self.sync = t.disk_sync
         self.store, self.loop = store, loop
@@ -114,7 +114,9 @@ class DiskTier(Tier):
         if events is not None:
             events.list_tier(pb.TIER_DISK, self.contents)
         self.wait_ready = t.disk_wait_index
-        self.pending_bytes = 0  # files being written (counted against the capacity)
+        #: --disk-capacity: the index's files and the writes not yet landed
+        self.space = Capacity(t.disk_capacity, store)
+        self.capacity = self.space.limit
         self._writing: dict[ChunkKey, Write] = {}  # the latest write of each key
         self._unlinking: dict[str, int] = {}  # files the writer is yet to remove
         self._full_logged = 0.0
@@ -147,38 +149,12 @@ class DiskTier(Tier):
             raise ConfigError(
                 f"--disk-dir {self.root}: not a writable directory ({exc.strerror or exc})"
             ) from None
-        self._pay_recorded()
+        # the files an earlier process owed: removed now, or never indexed and retried
+        self.health.owe(self.owed_record.pay())
         self.writer.start()
         threading.Thread(
             target=self._rebuild, args=(ready,), name="kvsvc-disk-index", daemon=True
         ).start()
-
-    def _pay_recorded(self) -> None:
-        """Before the writer starts and the index is rebuilt: remove the files an
-        earlier process owed (replaced, dropped or evicted while the disk refused
-        their removal; kvsvc.server.tiers.disk.owed). One still refused stays owed:
-        never indexed, retried."""
-        names = self.owed_record.load()
-        if not names:
-            return
-        left = []
-        for name in names:
-            try:
-                os.unlink(os.path.join(self.root, name))
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                left.append(name)
-                log.warning("disk tier: removing %s, owed by an earlier server: %s", name, exc)
-        self.health.owe(left)
-        self.owed_record.write(left)
-        log.warning(
-            "disk tier: %d files an earlier server owed removal (a version replaced, or a "
-            "file dropped, while %s refused writes): removed before the index is rebuilt%s",
-            len(names) - len(left),
-            self.root,
-            f"; {len(left)} still refused, kept out of the index" if left else "",
-        )
 
     def _rebuild(self, on_ready: Callable[[], None]) -> None:
         try:
@@ -227,6 +203,10 @@ class DiskTier(Tier):
         on_ready()
 
     # --- what metrics read (kvsvc.server.ops.tier_metrics.DiskView) ---
+    @property
+    def pending_bytes(self) -> int:
+        return self.space.pending_bytes
+
     @property
     def files(self) -> int:
         return len(self.index)
@@ -341,6 +321,11 @@ class DiskTier(Tier):
             self.owed_record.write(owed)
 
     def _unlink_owed(self, names: list[str]) -> None:
+        self._remove_later(names)
+
+    def _remove_later(self, names: list[str]) -> None:
+        """Queue the removal of ``names`` behind the writes queued now (until it is
+        done, a Store of the same key removes the file itself: see _replace)."""
         for name in names:
             self._unlinking[name] = self._unlinking.get(name, 0) + 1
         self.writer.unlink(names)
@@ -378,7 +363,7 @@ class DiskTier(Tier):
             data=data,
             version=fingerprint(chunk.size, chunk.digests),
         )
-        if w.file_bytes > self.capacity:
+        if w.file_bytes > self.space.limit:
             self.stats.skipped_capacity += 1
             return
         if self.health.skip():  # the disk refuses writes: skipped (counted) until it heals
@@ -393,30 +378,18 @@ class DiskTier(Tier):
             return
         self.writer.put(w, bounded=False)
         self._writing[w.key] = w
-        self.pending_bytes += w.file_bytes
+        self.space.reserve(w.file_bytes)
 
     def _make_room(self, need: int, owner: str = "") -> bool:
         """Forget (and queue the removal of) files until ``need`` more bytes fit the
-        capacity: the least recently used first, among owners over their share of
-        the disk when tenants have shares (a tenant's quota counts its disk bytes).
-        False when they do not fit even so: the rest is writes not yet landed."""
-        names: list[str] = []
-        index = self.index
-
-        def over() -> bool:
-            return index.used_bytes + self.pending_bytes + need > self.capacity
-
-        while index.entries and over():
-            key = self._victim(owner, need)
-            entry = index.remove(key)
-            assert entry is not None
-            names.append(entry.name)
+        capacity (kvsvc.server.tiers.disk.capacity says which go). False when they
+        do not fit even so."""
+        gone, fits = self.space.evict(self.index, need, owner)
+        for key, _ in gone:
             self.stats.evicted += 1
             self._announce_removed(key, pb.REMOVAL_REASON_EVICTED)
-        for name in names:
-            self._unlinking[name] = self._unlinking.get(name, 0) + 1
-        self.writer.unlink(names)
-        return not over()
+        self._remove_later([entry.name for _, entry in gone])
+        return fits
 
     async def drop(self, namespace: str, budget: float, result: pb.DropNamespaceResult) -> None:
         result.disk_chunks, result.disk_bytes = self.drop_namespace(namespace)
@@ -439,9 +412,7 @@ class DiskTier(Tier):
             names.append(entry.name)
             nbytes += entry.size
             self._announce_removed(key, pb.REMOVAL_REASON_DROPPED)
-        for name in names:
-            self._unlinking[name] = self._unlinking.get(name, 0) + 1
-        self.writer.unlink(names)
+        self._remove_later(names)
         return len(names), nbytes
 
     def _unlinked(self, names: list[str], failed: list[tuple[str, str]]) -> None:
@@ -454,26 +425,9 @@ class DiskTier(Tier):
         for name, reason in failed:
             self._owe(name, reason)
 
-    def _victim(self, owner: str, need: int) -> ChunkKey:
-        """The least recently used file, preferring owners over their disk share: the
-        store's share of its capacity (kvsvc.server.security.auth.Quota.store_share), applied
-        to --disk-capacity; the writer counted with what it asks."""
-        entries = self.index.entries
-        oldest = next(iter(entries))
-        shares = self.store.shares
-        if not shares:
-            return oldest
-        scale = self.capacity / max(1, self.store.capacity)
-        held = dict(self.index.used_by)
-        held[owner] = held.get(owner, 0) + need
-        over = {o for o, n in held.items() if o in shares and n > shares[o] * scale}
-        if not over:
-            return oldest
-        return next((k for k, e in entries.items() if e.owner in over), oldest)
-
     def _written(self, w: Write, outcome: str) -> None:
         """On the loop, after the writer thread is done with ``w``."""
-        self.pending_bytes -= w.file_bytes
+        self.space.release(w.file_bytes)
         if self._writing.get(w.key) is w:
             del self._writing[w.key]
         if outcome == "written" and not w.superseded:  # a superseded one: see _replace
