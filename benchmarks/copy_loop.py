@@ -31,7 +31,7 @@ import torch
 from benchmarks.common import md_table
 from kvsvc.client import fdpass
 from kvsvc.client.kvcache import SharedKVCache, rank_context
-from kvsvc.server.data import copies
+from kvsvc.server.data import copies, nativecopy
 from kvsvc.server.data.fdbroker import FdBroker
 from kvsvc.server.data.regions import Mapping, open_rank
 from kvsvc.server.data.store import ChunkStore
@@ -87,7 +87,7 @@ def plain_copy(engine: torch.Tensor, chunk: torch.Tensor) -> Callable[[bool], Ca
 
 
 def run(
-    rounds: int, chunk_blocks: list[int], also: dict[str, copies.NativeCopy] | None = None
+    rounds: int, chunk_blocks: list[int], also: dict[str, nativecopy.NativeCopy] | None = None
 ) -> tuple[list[str], list[tuple]]:
     """(the kinds measured, one row per op and chunk size)."""
     also = also or {}
@@ -170,9 +170,9 @@ def main() -> None:
     also = {}
     for spec in args.also:
         label, _, path = spec.partition("=")
-        also[label] = copies.NativeCopy(Path(path))
+        also[label] = nativecopy.NativeCopy(Path(path))
         print(f"{label}: {path}")
-    print(f"native: {copies.native_path()}; {copies.copy_loop()}")
+    print(f"native: {nativecopy.native_path()}; {copies.copy_loop()}")
     print(f"load before: {os.getloadavg()}; native loop: {copies.NATIVE is not None}")
     _, rows = run(args.rounds, args.chunk_blocks, also)
     print(md_table(

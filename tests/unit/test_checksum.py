@@ -15,7 +15,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from kvsvc.server.data import copies
+from kvsvc.server.data import checksum, copies, nativecopy
 
 # Lengths around every boundary of the native loop: 8-byte words, the three
 # interleaved 256-byte and 8 KiB streams, folding (from 1 KiB: 256-byte rounds,
@@ -26,18 +26,18 @@ LENGTHS += [copies.SEGMENT_BYTES, copies.SEGMENT_BYTES + 13, 3_000_001]
 
 
 @pytest.fixture(scope="module")
-def native() -> copies.NativeCopy:
+def native() -> nativecopy.NativeCopy:
     assert copies.NATIVE is not None, "the native copy loop is not built: run `make native`"
     return copies.NATIVE
 
 
 def test_the_store_format_names_its_checksum() -> None:
-    assert (copies.STORE_FORMAT, copies.CHECKSUM_ALGORITHM) == (2, "crc32c")
+    assert (checksum.STORE_FORMAT, checksum.CHECKSUM_ALGORITHM) == (2, "crc32c")
     assert copies.checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
-def test_native_crc32c_equals_the_package(native: copies.NativeCopy, offset: int) -> None:
+def test_native_crc32c_equals_the_package(native: nativecopy.NativeCopy, offset: int) -> None:
     data = os.urandom(max(LENGTHS) + 8)
     for n in LENGTHS:
         part = data[offset : offset + n]
@@ -49,7 +49,9 @@ def test_native_crc32c_equals_the_package(native: copies.NativeCopy, offset: int
         assert native.crc32c(want, part, n) == int(crc32c.crc32c(part, want)), n
 
 
-def test_the_native_crc_runs_on_the_fastest_path_this_cpu_has(native: copies.NativeCopy) -> None:
+def test_the_native_crc_runs_on_the_fastest_path_this_cpu_has(
+    native: nativecopy.NativeCopy,
+) -> None:
     """Folding is used where the CPU has it (it is checked against the crc32
     instruction at load time, so a wrong constant would show here as level 1)."""
     cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -60,7 +62,7 @@ def test_the_native_crc_runs_on_the_fastest_path_this_cpu_has(native: copies.Nat
     assert native.level == want
 
 
-def test_a_native_copy_and_the_python_loop_agree(native: copies.NativeCopy) -> None:
+def test_a_native_copy_and_the_python_loop_agree(native: nativecopy.NativeCopy) -> None:
     """Runs that start and end inside segments, copied both ways by both loops."""
     size = 3 * copies.SEGMENT_BYTES + 4321
     engine = np.frombuffer(bytearray(os.urandom(size + 100)), dtype=np.uint8)
@@ -91,7 +93,7 @@ def test_a_native_copy_and_the_python_loop_agree(native: copies.NativeCopy) -> N
 
 @pytest.mark.parametrize("stream", [True, False], ids=["non-temporal", "cached"])
 def test_a_retrieve_checks_each_segment_in_the_pass_that_copies_it(
-    native: copies.NativeCopy, stream: bool
+    native: nativecopy.NativeCopy, stream: bool
 ) -> None:
     """The CRC of what was written is compared once the segment is in the engine's
     memory; the first mismatch stops the copy (the segments after it are not
@@ -116,7 +118,7 @@ def test_a_retrieve_checks_each_segment_in_the_pass_that_copies_it(
         native.stream(was)
 
 
-def test_a_native_copy_lets_other_threads_run(native: copies.NativeCopy) -> None:
+def test_a_native_copy_lets_other_threads_run(native: nativecopy.NativeCopy) -> None:
     """While one thread copies, another runs Python: the counter it advances moves
     during a native call (it cannot if the call holds the GIL)."""
     size = 64 << 20
@@ -151,15 +153,15 @@ def test_a_missing_or_broken_library_means_the_python_loop_and_says_why(
     tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setattr(copies, "NATIVE", None)
-    monkeypatch.setattr(copies, "_WHY_NOT", "")
+    monkeypatch.setattr(nativecopy, "_WHY_NOT", "")
     assert copies.copy_loop() == ("python", "the native loop is turned off in this process")
-    assert copies.native_path(tmp_path) is None
-    assert copies.load_native(tmp_path / "_copyloop.so") is None
+    assert nativecopy.native_path(tmp_path) is None
+    assert nativecopy.load_native(tmp_path / "_copyloop.so") is None
     name, why = copies.copy_loop()
     assert name == "python" and "not built when kvsvc was installed" in why
     bad = tmp_path / "bad.so"
     bad.write_bytes(b"not a shared object")
-    assert copies.load_native(bad) is None
+    assert nativecopy.load_native(bad) is None
     name, why = copies.copy_loop()
     assert name == "python" and why.startswith("cannot load bad.so (")
 
@@ -172,18 +174,18 @@ def test_the_package_builds_copy_loop_is_found_by_this_interpreters_suffix(tmp_p
     for suffix in reversed(importlib.machinery.EXTENSION_SUFFIXES):
         (tmp_path / f"_copyloop{suffix}").write_bytes(b"")
     best = importlib.machinery.EXTENSION_SUFFIXES[0]
-    assert copies.native_path(tmp_path) == tmp_path / f"_copyloop{best}"
+    assert nativecopy.native_path(tmp_path) == tmp_path / f"_copyloop{best}"
 
 
-def test_copy_loop_names_the_native_loop_and_its_crc_path(native: copies.NativeCopy) -> None:
+def test_copy_loop_names_the_native_loop_and_its_crc_path(native: nativecopy.NativeCopy) -> None:
     name, why = copies.copy_loop()
     assert name == "native"
-    assert why.endswith(copies.CRC_PATHS[native.level])
+    assert why.endswith(nativecopy.CRC_PATHS[native.level])
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["non-temporal", "cached"])
 def test_copies_at_every_alignment_agree_with_the_package(
-    native: copies.NativeCopy, streaming: bool
+    native: nativecopy.NativeCopy, streaming: bool
 ) -> None:
     """Both store paths (non-temporal stores with a one-pass CRC where the CPU folds,
     cached stores elsewhere) land the same bytes and CRCs, and a Retrieve lands the
@@ -233,7 +235,7 @@ def test_copies_at_every_alignment_agree_with_the_package(
 
 @pytest.mark.parametrize("loop", ["native", "python"])
 def test_tasks_sharing_a_chunk_copy_each_segment_once_and_help_from_the_back(
-    native: copies.NativeCopy, loop: str
+    native: nativecopy.NativeCopy, loop: str
 ) -> None:
     """Two tasks of one chunk's copy (copies.Claims): a task that has ended its own
     range takes the rest of the other's from its back, but never the other's first
@@ -276,7 +278,9 @@ def test_tasks_sharing_a_chunk_copy_each_segment_once_and_help_from_the_back(
     assert list(claims.digests) == want and chunk.tobytes() == engine.tobytes()
 
 
-def test_a_failed_check_in_a_shared_retrieve_stops_every_task(native: copies.NativeCopy) -> None:
+def test_a_failed_check_in_a_shared_retrieve_stops_every_task(
+    native: nativecopy.NativeCopy,
+) -> None:
     size = 6 * copies.SEGMENT_BYTES
     chunk = np.frombuffer(bytearray(os.urandom(size)), dtype=np.uint8)
     digests = [copies.checksum(chunk[lo:hi].tobytes()) for lo, hi in copies.segments(size)]

@@ -1,6 +1,8 @@
-"""The copy path, in one place: the checksum (shared with the store), copy plans
-(an engine's blocks as merged byte runs), the pieces one Store or Retrieve is
-cut into, and how they are grouped into tasks for the copy threads.
+"""The copy path: copy plans (an engine's blocks as merged byte runs), the pieces
+one Store or Retrieve is cut into, how they are grouped into tasks for the copy
+threads, and which loop runs them (``NATIVE``: kvsvc.server.data.nativecopy's
+loop, or Python's). The checksum they take is kvsvc.server.data.checksum's
+(its names are also importable from here).
 
 The engine's side of a copy is ``Blocks`` (blocks under a mapping: memcpy from a
 sealed memfd, ``preadv``/``pwritev`` on a shm file, CUDA copies into pinned
@@ -13,41 +15,26 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
-import importlib.machinery
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import crc32c
 import numpy as np
 import torch
 
 from kvsvc.errors import LayoutMismatch
+from kvsvc.server.data.checksum import SEGMENT_BYTES, Digest, checksum, segment_count, segments
+from kvsvc.server.data.claims import Claims
+from kvsvc.server.data.nativecopy import CRC_PATHS, NativeCopy, load_native, why_not
 from kvsvc.server.data.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
 from kvsvc.server.ops import failpoints
 
-log = logging.getLogger(__name__)
-
-#: Checksums cover 1 MiB segments of a chunk, so the pieces of one chunk can be
-#: copied (and hashed while in cache) by several threads at once.
-SEGMENT_BYTES = 1 << 20
 #: Below this a copy runs as one task: a hand-off between threads costs more
 #: than the parallel copy saves.
 PARALLEL_MIN_BYTES = 4 << 20
-#: What a chunk's checksums are. Format 1 was xxh3-64 per segment; format 2 is
-#: CRC-32C per segment, which the native copy loop computes in the same GIL-free
-#: call as the copy (the CPU's crc32 instruction needs no header beyond the
-#: compiler's), and the ``crc32c`` package computes identically without it.
-STORE_FORMAT = 2
-CHECKSUM_ALGORITHM = "crc32c"
 #: Copy plans kept per mapping (by block ids); an engine reuses its block ids.
 PLAN_CACHE_SIZE = 4096
 
-#: (chunk index, segment index, CRC-32C): a Store piece returns its segments'; a
-#: Retrieve piece those that failed their check (none: all loaded).
-Digest = tuple[int, int, int]
 Piece = Callable[[], list[Digest]]
 
 
@@ -61,154 +48,15 @@ def failed_chunks(results: list[list[Digest]]) -> dict[int, Digest]:
     return out
 
 
-def segments(size: int) -> list[tuple[int, int]]:
-    """[lo, hi) byte ranges of a chunk's checksum segments."""
-    return [(lo, min(lo + SEGMENT_BYTES, size)) for lo in range(0, max(size, 1), SEGMENT_BYTES)]
-
-
-def segment_count(size: int) -> int:
-    """``len(segments(size))``, without making the list (per call on the hot path)."""
-    return max(1, -(-size // SEGMENT_BYTES))
-
-
-def checksum(view: memoryview | bytes) -> int:
-    """CRC-32C of a segment (the package drops the GIL for large buffers)."""
-    return int(crc32c.crc32c(view))
-
-
-class NativeCopy:
-    """The compiled copy loop (``kvsvc/server/data/native/copyloop.c``, built by the
-    package build, setup.py; ``make native`` in place): one call copies a run of
-    segments between an engine's sealed memfd and a chunk and checksums each, with the
-    GIL released for the whole call (ctypes drops it), so a copy thread takes the GIL
-    once per task instead of twice per segment."""
-
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        u32, vp, size = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t
-        lib.kvsvc_crc32c_init.restype = ctypes.c_int
-        #: 0: CRC on tables; 1: the crc32 instruction; 2: and VPCLMULQDQ folding
-        self.level = lib.kvsvc_crc32c_init()
-        self.hardware = self.level > 0
-        for name in ("kvsvc_crc32c", "kvsvc_crc32c_nofold", "kvsvc_crc32c_tables"):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = u32, [u32, vp, size]
-        self.crc32c, self.crc32c_tables = lib.kvsvc_crc32c, lib.kvsvc_crc32c_tables
-        self.crc32c_nofold = lib.kvsvc_crc32c_nofold
-        self._nt = getattr(lib, "kvsvc_copy_nt", None)  # absent from an older build
-        if self._nt is not None:
-            self._nt.restype, self._nt.argtypes = ctypes.c_int, [ctypes.c_int]
-        #: copies write with non-temporal stores (where the CRC folds; see copyloop.c)
-        self.streaming = self.stream(True)
-        fn = lib.kvsvc_copy_segments
-        fn.restype = ctypes.c_long
-        fn.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
-        fn.argtypes += [ctypes.c_int, vp, ctypes.POINTER(u32)]
-        self._copy = fn
-        claim = getattr(lib, "kvsvc_copy_claim", None)  # absent from an older build
-        if claim is not None:
-            claim.restype = ctypes.c_long
-            claim.argtypes = [vp, size, vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, vp]
-            claim.argtypes += [ctypes.POINTER(u32), vp, vp, size, size, vp, ctypes.c_uint64]
-        self._claim = claim
-        #: tasks of one chunk's copy share its segments in C (``claim``)
-        self.claims = claim is not None
-
-    def stream(self, on: bool) -> bool:
-        """Use non-temporal stores or not (for tests and benchmarks that compare
-        both paths); returns whether they are used now."""
-        self.streaming = bool(self._nt(int(on))) if self._nt is not None else False
-        return self.streaming
-
-    def copy(
-        self,
-        runs: np.ndarray,
-        addr: int,
-        lo: int,
-        hi: int,
-        digests: ctypes.Array,
-        *,
-        to_store: bool,
-    ) -> tuple[int, int]:
-        """Copy chunk bytes [lo, hi) (``lo`` on a segment boundary) between the
-        engine (``runs``: rows of engine address, chunk offset, length) and the
-        chunk at ``addr``, with each segment's CRC taken in the same pass. A Store
-        writes them into ``digests``; a Retrieve compares each with ``digests``
-        once written into the blocks and stops at the first mismatch. Returns
-        (-1, 0), or (failed segment from lo, its CRC)."""
-        got = ctypes.c_uint32()
-        failed = self._copy(
-            runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
-            ctypes.addressof(digests), ctypes.byref(got),
-        )  # fmt: skip
-        return failed, got.value
-
-    def claim(
-        self, runs: np.ndarray, addr: int, size: int, claims: Claims, me: int, *, to_store: bool
-    ) -> tuple[int, int]:
-        """Task ``me``'s part of a chunk's copy shared by ``claims`` (see Claims):
-        its own segments, then help with the others'. Returns (-1, 0), or (the
-        failed segment, its CRC)."""
-        assert self._claim is not None
-        got = ctypes.c_uint32()
-        failed = self._claim(
-            runs.ctypes.data, len(runs), addr, size, SEGMENT_BYTES, int(to_store),
-            ctypes.addressof(claims.digests), ctypes.byref(got), ctypes.addressof(claims.ranges),
-            ctypes.addressof(claims.starts), len(claims.starts), me,
-            ctypes.addressof(claims.owner), claims.share(me),
-        )  # fmt: skip
-        return failed, got.value
-
-
-#: The package build's name for the copy loop: a C library (no PyInit) in an
-#: extension module's place, named with this interpreter's extension suffix.
-NATIVE_NAME = "_copyloop"
-#: What the CRC of each level runs on (NativeCopy.level).
-CRC_PATHS = ("CRC tables (no crc32 instruction)", "the crc32 instruction", "VPCLMULQDQ folding")
-
-
-NATIVE_DIR = Path(__file__).with_name("native")
-
-
-def native_path(directory: Path = NATIVE_DIR) -> Path | None:
-    """Where the package build put the copy loop, if it did."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = directory / f"{NATIVE_NAME}{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
-def load_native(path: Path | None = None) -> NativeCopy | None:
-    """The native copy loop, or None (the Python loop then does the same work); why
-    is kept for :func:`copy_loop`."""
-    global _WHY_NOT
-    path = path or native_path()
-    if path is None or not path.exists():
-        _WHY_NOT = (
-            "the native loop was not built when kvsvc was installed (no C compiler then?): "
-            "reinstall with cc present, or `make native` in a checkout"
-        )
-        log.info("copy loop: %s; copies run the Python loop", _WHY_NOT)
-        return None
-    try:
-        return NativeCopy(path)
-    except (OSError, AttributeError) as exc:  # AttributeError: a symbol missing
-        _WHY_NOT = f"cannot load {path.name} ({exc})"
-        log.warning("copy loop: %s; copies run the Python loop", _WHY_NOT)
-        return None
-
-
 def copy_loop() -> tuple[str, str]:
     """Which copy loop runs copies in this process and why: ("native", what it runs
     on) or ("python", why not native), for the start line and GetServerInfo."""
     native = NATIVE
     if native is not None:
         return "native", f"built with the package; CRC-32C on {CRC_PATHS[min(native.level, 2)]}"
-    return "python", _WHY_NOT or "the native loop is turned off in this process"
+    return "python", why_not() or "the native loop is turned off in this process"
 
 
-_WHY_NOT = ""
 #: The loaded native copy loop; None runs every copy in Python (tests set it).
 NATIVE: NativeCopy | None = load_native()
 
@@ -466,60 +314,6 @@ class _BlockCopy:
                 claims.stop()
                 return [(ci, si, digest)]
         return out
-
-
-class Claims:
-    """One chunk's segments split into a range per task, each claimed a segment at a
-    time: from its front by its own task, from its back by a task that has finished
-    its own (only once the owner has claimed its first, so each range's first
-    segment is always its owner's). Every thread ends within about a segment of the
-    others, however late a copy thread woke; each segment is copied once. The
-    native loop claims in C (one GIL-free call per task); the Python loop under a
-    lock. ``owner[s]`` is the task (+1) that copied segment s; ``digests`` the
-    segments' CRCs (a Store's results, a Retrieve's expected values)."""
-
-    def __init__(self, bounds: list[tuple[int, int]], expected: list[int] | None) -> None:
-        n = bounds[-1][1]
-        self.bounds = bounds
-        self.ranges = (ctypes.c_uint64 * len(bounds))(*(a | b << 32 for a, b in bounds))
-        self.starts = (ctypes.c_uint32 * len(bounds))(*(a for a, _ in bounds))
-        self.owner = (ctypes.c_uint8 * n)()
-        self.digests = (ctypes.c_uint32 * n)(*(expected or []))
-        self._lock = threading.Lock()
-
-    def share(self, me: int) -> int:
-        a, b = self.bounds[me]
-        return (b - a) * SEGMENT_BYTES
-
-    def next(self, me: int) -> int | None:
-        """(Python loop) The next segment task ``me`` copies, or None: all are taken."""
-        with self._lock:
-            order = [me, *(k for k in range(len(self.bounds)) if k != me)]
-            for k in order:
-                v = self.ranges[k]
-                front, back = v & 0xFFFFFFFF, v >> 32
-                if front >= back or (k != me and front == self.starts[k]):
-                    continue
-                if k == me:
-                    self.ranges[k] = (front + 1) | back << 32
-                    s = front
-                else:
-                    self.ranges[k] = front | (back - 1) << 32
-                    s = back - 1
-                self.owner[s] = me + 1
-                return s
-            return None
-
-    def stop(self) -> None:
-        """(Python loop) A check failed: nobody claims another segment."""
-        with self._lock:
-            for k in range(len(self.bounds)):
-                back = self.ranges[k] >> 32
-                self.ranges[k] = back | back << 32
-
-    def mine(self, me: int) -> list[int]:
-        """The segments task ``me`` copied (once every task has ended)."""
-        return [s for s, o in enumerate(self.owner) if o == me + 1]
 
 
 class SegmentPiece:

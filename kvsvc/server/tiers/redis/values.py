@@ -22,7 +22,7 @@ from kvsvc.server.data import copies
 from kvsvc.server.data.copies import checksum, segments
 
 MAGIC = b"KVR"
-#: 2: segment digests and the key hash are CRC-32C (kvsvc.server.data.copies, STORE_FORMAT 2)
+#: 2: segment digests and the key hash are CRC-32C (kvsvc.server.data.checksum, STORE_FORMAT 2)
 FORMAT_VERSION = 2
 # magic, version, fingerprint length, parts, key hash, data length, segments
 _HEAD = struct.Struct("<3sBHHQQI")
