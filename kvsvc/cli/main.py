@@ -194,9 +194,16 @@ def _drop_namespace(args: argparse.Namespace) -> int:
         dropped.append(f"{r.disk_chunks} chunk files ({r.disk_bytes} bytes) from disk")
     if r.redis_keys:
         dropped.append(f"{r.redis_keys} keys from Redis")
-    unfinished = "" if r.redis_complete else "; the Redis scan did not finish: run it again"
-    print(f"kvsvc drop-namespace: {args.namespace}: dropped {', '.join(dropped)}{unfinished}")
-    return 0 if r.redis_complete else 1
+    if r.s3_objects:
+        dropped.append(f"{r.s3_objects} objects ({r.s3_bytes} bytes) from S3")
+    unfinished = [
+        f"; the {tier} did not finish: run it again"
+        for tier, complete in (("Redis scan", r.redis_complete), ("S3 deletes", r.s3_complete))
+        if not complete
+    ]
+    said = f"{args.namespace}: dropped {', '.join(dropped)}{''.join(unfinished)}"
+    print(f"kvsvc drop-namespace: {said}")
+    return 1 if unfinished else 0
 
 
 def _init_auth(path: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.data.store import INLINE_LAYOUT
 from kvsvc.server.tiers.s3 import S3Tier
 from kvsvc.server.tiers.s3.objects import header, object_name
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 # starts SeaweedFS and servers; a restart over existing data takes ~20 s on a loaded host
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -180,6 +182,69 @@ def test_drop_namespace_deletes_the_namespaces_objects(shared_weed, node, tmp_pa
         assert cb.lookup([k for k, _ in items], namespace=NS) == 0
         assert get_within(cb, items[0][0]) is None
         assert cb.get(NS + "-other", other[0][0]) == other[0][1]
+
+
+class Seen:
+    """The S3 tier's events one presence index was sent (its ``on_batch``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stored: dict[bytes, int] = {}  # key -> bytes (one key per event here)
+        self.removed: dict[bytes, int] = {}  # key -> reason
+        self.snapshot: set[bytes] = set()
+
+    def batch(self, b: pb.EventBatch) -> None:
+        with self.lock:
+            for e in b.events:
+                if e.HasField("stored") and e.stored.tier == pb.TIER_S3:
+                    for k in e.stored.keys:
+                        self.stored[k] = e.stored.bytes // len(e.stored.keys)
+                    if b.snapshot:
+                        self.snapshot.update(e.stored.keys)
+                if e.HasField("removed") and e.removed.tier == pb.TIER_S3:
+                    self.removed.update(dict.fromkeys(e.removed.keys, e.removed.reason))
+
+    def wait(self, what: Callable[[Seen], bool], limit: float = 30) -> None:
+        end = time.monotonic() + limit
+        while True:
+            with self.lock:
+                if what(self):
+                    return
+                state = (self.stored, self.removed)
+            assert time.monotonic() < end, f"not seen within {limit} s: {state}"
+            time.sleep(0.05)
+
+
+def test_watchers_see_the_s3_tier_and_drop_namespace_counts_it(shared_weed, node, tmp_path) -> None:
+    """A's write-behind announces its keys stored in TIER_S3 (with the chunk's
+    bytes), and a later snapshot lists them; B's Lookup that finds them by HEAD
+    announces them too; DropNamespace reports the objects deleted and their bytes,
+    and its removals reach the watchers."""
+    settings = s3_settings(shared_weed, tmp_path)
+    a = node("a", **settings)
+    b = node("b", **settings)
+    items = chunks(3, b"events")
+    keys = {k for k, _ in items}
+    seen_a, seen_b, later = Seen(), Seen(), Seen()
+    with KVCacheClient(a.address) as ca, KVCacheClient(b.address) as cb:
+        with ca.presence(NS, on_batch=seen_a.batch) as ia, cb.presence(NS, on_batch=seen_b.batch):
+            assert ia.wait_fresh(15)
+            ca.put(NS, items)
+            seen_a.wait(lambda s: keys <= s.stored.keys())
+            assert {seen_a.stored[k] for k in keys} == {CHUNK}
+            with ca.presence(NS, on_batch=later.batch):
+                later.wait(lambda s: keys <= s.snapshot)
+            assert cb.lookup(list(keys), namespace=NS) == 3  # b asks S3: a HEAD each
+            seen_b.wait(lambda s: keys <= s.stored.keys())
+            assert {seen_b.stored[k] for k in keys} == {CHUNK}  # from the objects' lengths
+            r = ca.drop_namespace(NS)
+            assert (r.dropped_chunks, r.s3_objects, r.s3_complete) == (3, 3, True)
+            assert 3 * CHUNK < r.s3_bytes < 3 * CHUNK + 3 * 1024  # each object: a header + chunk
+            seen_a.wait(lambda s: keys <= s.removed.keys())
+            assert set(seen_a.removed.values()) == {pb.REMOVAL_REASON_DROPPED}
+        again = ca.drop_namespace(NS)
+        assert (again.s3_objects, again.s3_bytes, again.s3_complete) == (0, 0, True)
+    assert not [k for k in tier(a).endpoint.known if k[0] == NS]
 
 
 def test_refused_credentials_at_start_are_one_config_error(shared_weed, node, tmp_path) -> None:

@@ -28,6 +28,7 @@ from kvsvc.server.tiers.s3.client import (
 from kvsvc.server.tiers.s3.objects import (
     HEAD_FIXED_BYTES,
     Rejected,
+    chunk_bytes,
     header,
     header_length,
     namespace_prefix,
@@ -69,6 +70,20 @@ def test_an_object_reads_back_as_its_chunk(size: int) -> None:
     data = os.urandom(size)
     name = object_name("p", "ns", "L", b"key")
     assert read_back(name, "L", obj(name, "L", data)) == data
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, (1 << 20) - 8, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 << 20, 32 << 20]
+)
+def test_a_heads_length_gives_the_chunks_bytes(size: int) -> None:
+    """What a HEAD says (the object's length) is the chunk's size, whatever the
+    layout's length and however many segments; a length no chunk makes is 0."""
+    for layout in ("inline", "L" * 300):
+        digests = [0] * len(segments(size))
+        length = len(header("n", layout, size, digests)) + size
+        assert chunk_bytes(length, layout) == size
+    assert chunk_bytes(HEAD_FIXED_BYTES + 6 + 3, "inline") == 0  # 3 digest bytes: none fits
+    assert chunk_bytes(5, "inline") == 0
 
 
 def test_objects_that_are_not_this_chunk_are_refused_by_kind() -> None:

@@ -6,7 +6,8 @@ its last reader, never under it: ChunkStore.discard), and chunks being written
 into the namespace now are not kept when their copy ends. Disk: the files are
 forgotten at once and removed behind the writes already queued. Redis: its keys
 are scanned and unlinked within the call's deadline (``redis_complete`` says
-whether the scan ended). Every removal is announced on WatchEvents with
+whether the scan ended). S3: the objects under the namespace's prefix are listed
+and deleted within it (``s3_complete``). Every removal is announced on WatchEvents with
 REMOVAL_REASON_DROPPED."""
 
 from __future__ import annotations
@@ -34,16 +35,21 @@ class Namespaces:
         self, request: pb.DropNamespaceRequest, call: Call
     ) -> pb.DropNamespaceResult:
         namespace = check_namespace(request.namespace, call)  # granted to the caller
-        result = pb.DropNamespaceResult(server_start_id=self.start_id, redis_complete=True)
+        result = pb.DropNamespaceResult(
+            server_start_id=self.start_id, redis_complete=True, s3_complete=True
+        )
         result.dropped_chunks, result.dropped_bytes = self.store.drop_namespace(namespace)
         await self.tiers.drop(namespace, call.deadline, result)
         log.info(
-            "namespace %r dropped by tenant %s: %d chunks in memory, %d on disk, %d Redis keys%s",
+            "namespace %r dropped by tenant %s: %d chunks in memory, %d on disk, %d Redis keys%s, "
+            "%d S3 objects%s",
             request.namespace[:256],
             call.tenant.name,
             result.dropped_chunks,
             result.disk_chunks,
             result.redis_keys,
             "" if result.redis_complete else " (Redis scan not finished)",
+            result.s3_objects,
+            "" if result.s3_complete else " (S3 deletes not finished)",
         )
         return result

@@ -1,6 +1,8 @@
 """What every part of the S3 tier shares: the client behind its breaker (``call``,
 the one gate every exchange passes), the tier's counters, and what this server
-knows the bucket holds (its own writes and reads: Lookup asks nothing for those)."""
+knows the bucket holds (its own writes and reads: Lookup asks nothing for those;
+the events stream is told of each key as it joins or leaves that set, and a
+snapshot lists it)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, TypeVar
 
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.store import ChunkKey
+from kvsvc.server.events import EventLog
 from kvsvc.server.tiers.breaker import Breaker
 from kvsvc.server.tiers.s3.client import (
     BREAKER_FAILURES,
@@ -22,6 +25,7 @@ from kvsvc.server.tiers.s3.client import (
     warn,
 )
 from kvsvc.server.tiers.s3.objects import Rejected
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 T = TypeVar("T")
 
@@ -50,7 +54,7 @@ class Endpoint:
     """The bucket behind its breaker, and the tier's counters (read by metrics
     and GetServerInfo; written on threads and the loop, under ``lock``)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, events: EventLog | None = None) -> None:
         tiers = config.tiers
         self.config = config
         self.where = f"{tiers.s3_endpoint}/{tiers.s3_bucket}"
@@ -73,9 +77,12 @@ class Endpoint:
         self.errors: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
-        #: the bucket holds these as far as this server knows: key -> its version
-        #: (None when only a HEAD said so)
-        self.known: collections.OrderedDict[ChunkKey, int | None] = collections.OrderedDict()
+        #: the bucket holds these as far as this server knows: key -> the chunk's bytes
+        self.known: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+        #: told (TIER_S3) of each key that joins or leaves ``known``
+        self.events = events
+        if events is not None:
+            events.list_tier(pb.TIER_S3, lambda: self.known.items())
         #: keys whose newest version was not written: the bucket may hold an older
         #: one, never loaded (a replaced version is never served again)
         self.stale: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
@@ -119,19 +126,33 @@ class Endpoint:
                 setattr(self, name, getattr(self, name) + n)
 
     # --- what the bucket holds, as far as this server knows (on the loop) ---
-    def remember(self, key: ChunkKey, version: int | None) -> None:
+    def remember(self, key: ChunkKey, nbytes: int) -> None:
+        """The bucket holds ``key``'s newest version (written or read here, or a
+        HEAD said so): announced stored the first time."""
         self.stale.pop(key, None)
-        self.known[key] = version
+        fresh = key not in self.known
+        self.known[key] = nbytes
         self.known.move_to_end(key)
+        if fresh and self.events is not None:
+            self.events.stored(key[0], (key[1],), key[2], nbytes, pb.TIER_S3)
         if len(self.known) > KNOWN_MAX:
-            self.known.popitem(last=False)
+            # Forgotten: an index must not keep a hit this server no longer vouches for.
+            old, _ = self.known.popitem(last=False)
+            self._removed(old, pb.REMOVAL_REASON_TIER_DROPPED)
 
-    def forget(self, key: ChunkKey) -> None:
-        self.known.pop(key, None)
+    def forget(self, key: ChunkKey, reason: int) -> None:
+        """This server no longer vouches for ``key`` in the bucket (``reason``: a
+        RemovalReason): announced removed if it was known."""
+        if self.known.pop(key, None) is not None:
+            self._removed(key, reason)
 
     def doubt(self, key: ChunkKey) -> None:
         """``key``'s newest version did not reach the bucket: never load it from there."""
-        self.known.pop(key, None)
+        self.forget(key, pb.REMOVAL_REASON_TIER_DROPPED)
         self.stale[key] = None
         if len(self.stale) > KNOWN_MAX:
             self.stale.popitem(last=False)
+
+    def _removed(self, key: ChunkKey, reason: int) -> None:
+        if self.events is not None:
+            self.events.removed(key[0], (key[1],), key[2], reason, pb.TIER_S3)

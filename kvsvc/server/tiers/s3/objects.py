@@ -17,7 +17,7 @@ from collections.abc import Callable
 from urllib.parse import quote
 
 from kvsvc.server.data import copies
-from kvsvc.server.data.copies import checksum, segments
+from kvsvc.server.data.copies import SEGMENT_BYTES, checksum, segment_count, segments
 
 MAGIC = b"KVS3"
 FORMAT_VERSION = 1
@@ -64,6 +64,14 @@ def header(name: str, layout: str, size: int, digests: list[int]) -> bytes:
             struct.pack(f"<{len(digests)}Q", *digests),
         )
     )
+
+
+def chunk_bytes(length: int, layout: str) -> int:
+    """The chunk's bytes in an object of ``length`` bytes (a HEAD's answer) written
+    by ``header`` in ``layout``; 0 when no chunk size fits it."""
+    rest = length - _HEAD.size - len(layout.encode())  # digests + data
+    n = rest - 8 * max(1, -(-rest // (SEGMENT_BYTES + 8)))
+    return n if n >= 0 and n + 8 * segment_count(n) == rest else 0
 
 
 def header_length(fixed: bytes) -> int:

@@ -28,7 +28,7 @@ from kvsvc.server.tiers.s3.objects import (
     parse_header,
     receive_into,
 )
-from kvsvc.server.tiers.s3.writer import version
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 #: How long past its budget a reader waits for the loop to reserve its chunk.
 CLAIM_GRACE_S = 0.5
@@ -136,7 +136,7 @@ class Reads:
                 job.chunk = None
                 if self.store.commit(chunk, job.digests):  # else: another call's is there
                     e.add(hits=1, bytes_read=chunk.size)
-                    e.remember(chunk.key, version(chunk))
+                    e.remember(chunk.key, chunk.size)
                     chunk.readers += 1
                     pinned.append(chunk)
                 continue
@@ -171,9 +171,9 @@ class Reads:
         except Rejected as exc:
             e.count(e.rejected, exc.kind)
             warn.warning("s3 tier: object %s refused (%s): a miss", name, exc.kind)
-            self._soon(e.forget, ck)
+            self._soon(e.forget, ck, pb.REMOVAL_REASON_CHECK_FAILED)
         except Missing:
-            self._soon(e.forget, ck)
+            self._soon(e.forget, ck, pb.REMOVAL_REASON_TIER_DROPPED)
         except Skipped:
             pass
 

@@ -18,7 +18,7 @@ from kvsvc.server.tiers.base import Tier
 from kvsvc.server.tiers.breaker import OPEN
 from kvsvc.server.tiers.s3.client import AUTH, BUCKET, BUSY, error_kind, log, warn
 from kvsvc.server.tiers.s3.endpoint import HEADS, Endpoint, Missing, Skipped
-from kvsvc.server.tiers.s3.objects import namespace_prefix, object_name
+from kvsvc.server.tiers.s3.objects import chunk_bytes, namespace_prefix, object_name
 from kvsvc.server.tiers.s3.reads import Reads
 from kvsvc.server.tiers.s3.writer import Writer
 from kvsvc.v1 import kv_cache_service_pb2 as pb
@@ -46,7 +46,7 @@ class S3Tier(Tier):
         self.store = store
         self.loop = loop
         self.lookup_budget = config.tiers.s3_lookup_budget
-        self.endpoint = Endpoint(config)
+        self.endpoint = Endpoint(config, events)
         self.reads = Reads(self.endpoint, store, loop)
         self.writer = Writer(self.endpoint, store, loop, config.tiers.s3_queue_bytes)
         self._heads = concurrent.futures.ThreadPoolExecutor(
@@ -143,24 +143,25 @@ class S3Tier(Tier):
         heads = [self._head(namespace, layout, key) for key in rest]
         done, _ = await asyncio.wait(heads, timeout=self.lookup_budget)
         for key, head in zip(rest, heads, strict=True):
-            if head not in done or not head.result():
+            if head not in done or head.result() is None:
                 if head not in done:
                     e.count(e.errors, "budget")
                 break
-            e.remember((namespace, key, layout), None)
+            e.remember((namespace, key, layout), chunk_bytes(head.result() or 0, layout))
             out.append(True)
         return out
 
-    def _head(self, namespace: str, layout: str, key: bytes) -> asyncio.Future[bool]:
+    def _head(self, namespace: str, layout: str, key: bytes) -> asyncio.Future[int | None]:
+        """The object's length, None where it is missing or S3 did not answer."""
         e = self.endpoint
         name = object_name(e.prefix, namespace, layout, key)
 
-        def head() -> bool:
+        def head() -> int | None:
             try:
-                e.call(lambda client: client.head_object(Bucket=e.bucket, Key=name))
+                reply = e.call(lambda client: client.head_object(Bucket=e.bucket, Key=name))
             except (Missing, Skipped):
-                return False
-            return True
+                return None
+            return int(reply.get("ContentLength", 0))
 
         self._heading += 1
         fut = self.loop.run_in_executor(self._heads, head)
@@ -198,8 +199,9 @@ class S3Tier(Tier):
         object once sent (its chunk is discarded)."""
         e = self.endpoint
         for key in [k for k in e.known if k[0] == namespace]:
-            e.forget(key)
+            e.forget(key, pb.REMOVAL_REASON_DROPPED)
         stop = time.monotonic() + max(budget, 0.0)
+        dropped = [0, 0]  # objects, bytes (this call's: the counters are the server's)
         prefix = namespace_prefix(e.prefix, namespace)
 
         def drop_all(client: Any) -> bool:
@@ -208,10 +210,20 @@ class S3Tier(Tier):
                 page = client.list_objects_v2(
                     Bucket=e.bucket, Prefix=prefix, MaxKeys=DROP_BATCH, **token
                 )
-                names = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                listed = page.get("Contents", [])
+                names = [{"Key": o["Key"]} for o in listed]
                 if names:
-                    client.delete_objects(Bucket=e.bucket, Delete={"Objects": names, "Quiet": True})
-                    e.add(dropped_objects=len(names))
+                    reply = client.delete_objects(
+                        Bucket=e.bucket, Delete={"Objects": names, "Quiet": True}
+                    )
+                    # Quiet: only the objects it failed to delete are listed back.
+                    failed = {err.get("Key") for err in reply.get("Errors", [])}
+                    gone = [o for o in listed if o["Key"] not in failed]
+                    dropped[0] += len(gone)
+                    dropped[1] += sum(int(o.get("Size", 0)) for o in gone)
+                    e.add(dropped_objects=len(gone))
+                    if failed:
+                        return False
                 if not page.get("IsTruncated"):
                     return True
                 token = {"ContinuationToken": page["NextContinuationToken"]}
@@ -228,6 +240,8 @@ class S3Tier(Tier):
             complete = await asyncio.wait_for(asyncio.shield(work), max(budget, 0.0) + e.timeout)
         except TimeoutError:
             complete = False
+        result.s3_objects, result.s3_bytes = dropped
+        result.s3_complete = complete
         if not complete:
             e.count(e.errors, "drop_incomplete")
             warn.warning("s3 tier: objects of a dropped namespace are left under %s", prefix)

@@ -15,11 +15,7 @@ from kvsvc.server.data.store import Chunk, ChunkStore
 from kvsvc.server.tiers.s3.client import log
 from kvsvc.server.tiers.s3.endpoint import WRITERS, Endpoint, Missing, Skipped
 from kvsvc.server.tiers.s3.objects import header, object_name
-
-
-def version(chunk: Chunk) -> int:
-    """Which bytes a chunk holds, as far as its size and checksums tell."""
-    return hash((chunk.size, tuple(chunk.digests)))
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 
 class Writer:
@@ -64,7 +60,8 @@ class Writer:
             self._skip(chunk, "closing" if e.closed else "queue")
             return
         chunk.readers += 1  # the store frees nothing a writer still reads
-        e.forget(chunk.key)  # what the bucket holds is the old version until it lands
+        # What the bucket holds is the old version until the new one lands.
+        e.forget(chunk.key, pb.REMOVAL_REASON_OVERWRITTEN)
         self._queue.put(chunk)
 
     def _skip(self, chunk: Chunk, why: str) -> None:
@@ -113,7 +110,7 @@ class Writer:
             with contextlib.suppress(Skipped, Missing):
                 e.call(lambda client: client.delete_object(Bucket=e.bucket, Key=name))
             return
-        self._on_loop(e.remember, chunk.key, version(chunk))
+        self._on_loop(e.remember, chunk.key, chunk.size)
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
