@@ -304,7 +304,8 @@ def _rates(r: Rates) -> Text:
 def _tiers(s: pb.ServerStats) -> Table:
     t = _table("Tiers", "tier", "capacity", "used", "use", "chunks", "writes")
     for tier in s.tiers:
-        unknown = tier.name == "redis"  # Redis' own size is not the server's to say
+        # a shared store's own size is not this server's to say
+        unknown = tier.name in ("redis", "s3")
         t.add_row(
             tier.name,
             "-" if not tier.capacity_bytes else _bytes(tier.capacity_bytes),

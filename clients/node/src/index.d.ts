@@ -91,7 +91,7 @@ export interface StoredEvent {
   /** Layout fingerprint ("inline" for inline stores). */
   layout: string;
   bytes: number;
-  tier: 'TIER_UNSPECIFIED' | 'TIER_MEMORY' | 'TIER_REDIS' | 'TIER_DISK' | string;
+  tier: 'TIER_UNSPECIFIED' | 'TIER_MEMORY' | 'TIER_REDIS' | 'TIER_DISK' | 'TIER_S3' | 'TIER_MOONCAKE' | string;
 }
 
 export interface RemovedEvent {
