@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BUF := tools/node_modules/.bin/buf
 BUF_BASELINE := proto/baseline/kvsvc-v1.binpb
 
-.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus seaweedfs clients cpp languages deploy packages test-container vllm sglang lmcache clean
+.PHONY: serve test check unit install native bench bench-smoke proto check-proto lint typecheck buf pytest redis-server prometheus seaweedfs mooncake clients cpp languages deploy packages test-container vllm sglang lmcache clean
 
 # Bare `make`: the venv and the native copy loop.
 .DEFAULT_GOAL := install
@@ -90,7 +90,12 @@ prometheus:
 seaweedfs: install
 	./scripts/install_seaweedfs.sh $(PY)
 
-pytest: install redis-server prometheus seaweedfs
+# tests/server/test_mooncake_tier.py: a real mooncake_master and Mooncake's client
+# (libibverbs1 from apt, the mooncake extra into the venv).
+mooncake: install
+	./scripts/install_mooncake.sh $(PY)
+
+pytest: install redis-server prometheus seaweedfs mooncake
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The benchmarks' extra (pyzmq + msgpack for the control plane's ZMQ echo, tqdm,

@@ -196,7 +196,7 @@ def test_each_setting_is_declared_once_with_a_unique_flag_and_variable() -> None
     from kvsvc.server.config import GROUPS
 
     names = [s.name for g in GROUPS for s in g.settings]
-    assert len(names) == len(set(names)) == len(SETTINGS) == 56
+    assert len(names) == len(set(names)) == len(SETTINGS) == 67
     assert len({s.env for s in SETTINGS.values()}) == len(SETTINGS)
     for g in GROUPS:  # a group's settings are its dataclass's fields, in order
         assert [s.group for s in g.settings] == [g.attr] * len(g.settings)

@@ -32,6 +32,7 @@ from kvsvc.server.config.values import (
     s3_url,
     shm_uids,
     size_or_off,
+    target_address,
     value_size,
 )
 
@@ -135,7 +136,8 @@ class DataPlaneSettings:
 
 @dataclass(frozen=True)
 class TierSettings:
-    """The tiers behind the memory store: local disk, then the shared tiers (Redis, S3)."""
+    """The tiers behind the memory store: local disk, then the shared tiers (Redis, S3,
+    Mooncake Store)."""
 
     remote: str = setting(
         "off",
@@ -221,6 +223,70 @@ class TierSettings:
         parse_size,
         "bytes of stored chunks waiting to be written to S3 (at most a quarter of the "
         "store); beyond, writes are skipped and counted",
+        shows=format_size,
+    )
+    mooncake_master: str = setting(
+        "",
+        optional(target_address),
+        "shared Mooncake Store tier: `HOST:PORT` of `mooncake_master`'s RPC port (with "
+        "`--mooncake-metadata`); best-effort: a Mooncake failure is a miss",
+        note="off",
+    )
+    mooncake_metadata: str = setting(
+        "",
+        optional(),
+        "Mooncake's metadata server: `http://HOST:PORT/metadata` (e.g. the master's "
+        "`--enable_http_metadata_server`), `etcd://...`, or `P2PHANDSHAKE`",
+    )
+    mooncake_local_hostname: str = setting(
+        "",
+        optional(),
+        "address this server's Mooncake transfer engine advertises to its peers (an "
+        "interface other than loopback: Mooncake does not use loopback)",
+        note="Mooncake picks the first non-loopback interface",
+    )
+    mooncake_protocol: str = setting(
+        "tcp", choice("tcp", "rdma"), "transport between Mooncake peers"
+    )
+    mooncake_rdma_devices: str = setting(
+        "", optional(), "RDMA devices for `--mooncake-protocol rdma` (e.g. `mlx5_0,mlx5_1`)"
+    )
+    mooncake_segment_bytes: int = setting(
+        1 * GiB,
+        parse_size,
+        "memory this server adds to the Mooncake pool (every peer may place values there; "
+        "this server's own writes go there first)",
+        shows=format_size,
+    )
+    mooncake_buffer_bytes: int = setting(
+        16 * MiB,
+        parse_size,
+        "Mooncake's own transfer buffer in this server (chunks move straight from and into "
+        "the store's memory, registered with Mooncake, so it stays small)",
+        shows=format_size,
+    )
+    mooncake_prefix: str = setting(
+        "kvsvc",
+        str,
+        "first part of every Mooncake key kvsvc writes (`PREFIX/NAMESPACE/...`)",
+    )
+    mooncake_timeout: float = setting(
+        2.0,
+        positive_float,
+        "seconds any one Mooncake call may take before kvsvc gives up on it (a miss or a "
+        "skipped write; the call is left to end on its own thread)",
+    )
+    mooncake_lookup_budget: float = setting(
+        0.02,
+        positive_float,
+        "seconds a Lookup may wait for Mooncake's answer on keys this server has not seen "
+        "written or read",
+    )
+    mooncake_queue_bytes: int = setting(
+        256 * MiB,
+        parse_size,
+        "bytes of stored chunks waiting to be written to Mooncake (at most a quarter of "
+        "the store); beyond, writes are skipped and counted",
         shows=format_size,
     )
     disk_dir: str = setting(

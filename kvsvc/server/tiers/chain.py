@@ -1,4 +1,4 @@
-"""TierChain: the tiers below memory, in order (disk, Redis, then S3), built once from
+"""TierChain: the tiers below memory, in order (disk, Redis, Mooncake, then S3), built once from
 the configuration by :func:`build`, and all the handlers know of them.
 
 - Lookup: the local prefix continued by the tiers whose index is held here, then
@@ -34,6 +34,7 @@ def build(
     """The tiers the configuration asks for, top to bottom; each checks its
     settings when started (TierChain.start). Adding a tier is a line here."""
     from kvsvc.server.tiers.disk import DiskTier
+    from kvsvc.server.tiers.mooncake import MooncakeTier
     from kvsvc.server.tiers.redis import RemoteTier
     from kvsvc.server.tiers.s3 import S3Tier
 
@@ -42,6 +43,8 @@ def build(
         tiers.append(DiskTier(config, store, loop, events))
     if config.tiers.remote != "off":
         tiers.append(RemoteTier(config, store, loop, events))
+    if config.tiers.mooncake_master:
+        tiers.append(MooncakeTier(config, store, loop, events))
     if config.tiers.s3_endpoint:
         tiers.append(S3Tier(config, store, loop, events))
     return TierChain(store, tiers)

@@ -1,0 +1,212 @@
+"""The Mooncake tier's write-behind: a committed chunk is read-pinned and queued
+(bounded in bytes; a full queue skips the write and counts it, so a Store's
+reply never waits for Mooncake); a writer thread puts what is queued, up to
+BATCH chunks a call, each value from two registered buffers (its header in a
+slot, the chunk's own bytes in the store), into this server's own segment first;
+the chunks are unpinned on the event loop.
+
+Mooncake keeps the first value put under a key: a chunk this server wrote
+before with other bytes (a Store that replaced it) is removed first, and a key
+whose newest version failed to land is never loaded from Mooncake here."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import queue
+import threading
+from typing import Any
+
+from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
+from kvsvc.server.tiers.mooncake.client import CLOSING, FAILURES, Failed, code_kind, log
+from kvsvc.server.tiers.mooncake.gate import Gate
+from kvsvc.server.tiers.mooncake.values import header, key_name
+
+#: chunks one put call carries at most
+BATCH = 16
+#: keys this server remembers Mooncake holding (its writes and reads), and keys
+#: whose newest version it failed to write; beyond, the oldest are forgotten
+KNOWN_MAX = 1 << 20
+
+
+def version(chunk: Chunk) -> int:
+    """Which bytes a chunk holds, as far as its size and checksums tell."""
+    return hash((chunk.size, tuple(chunk.digests)))
+
+
+class Known:
+    """What Mooncake holds as far as this server knows (on the loop): a hint,
+    since Mooncake evicts on its own."""
+
+    def __init__(self) -> None:
+        self.versions: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+        self.stale: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+
+    def remember(self, key: ChunkKey, v: int) -> None:
+        self.stale.pop(key, None)
+        self.versions[key] = v
+        self.versions.move_to_end(key)
+        if len(self.versions) > KNOWN_MAX:
+            self.versions.popitem(last=False)
+
+    def doubt(self, key: ChunkKey) -> None:
+        self.versions.pop(key, None)
+        self.stale[key] = None
+        if len(self.stale) > KNOWN_MAX:
+            self.stale.popitem(last=False)
+
+    def forget_namespace(self, namespace: str) -> None:
+        for table in (self.versions, self.stale):
+            for key in [k for k in table if k[0] == namespace]:
+                del table[key]
+
+
+class Writer:
+    """The queue and the writer thread that drains it."""
+
+    def __init__(
+        self,
+        gate: Gate,
+        store: ChunkStore,
+        loop: asyncio.AbstractEventLoop,
+        known: Known,
+        prefix: str,
+        limit: int,
+    ) -> None:
+        self.gate = gate
+        self.store = store
+        self.loop = loop
+        self.known = known
+        self.prefix = prefix
+        # Pinned chunks block eviction: at most a quarter of the store waits for Mooncake.
+        self.limit = min(limit, store.capacity // 4)
+        self.queued_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[Chunk, bool] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="kvsvc-mooncake-write", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """The writer ends after its put (queued writes are skipped and counted)."""
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def put(self, chunk: Chunk) -> None:
+        """On the loop: pin and queue ``chunk``, or skip and count it. Never waits."""
+        g = self.gate
+        with self._lock:
+            take = not g.closed and self.queued_bytes + chunk.size <= self.limit
+            if take:
+                self.queued_bytes += chunk.size
+        if not take:
+            self._skip([chunk], CLOSING if g.closed else "queue")
+            return
+        chunk.readers += 1  # the store frees nothing a writer still reads
+        before = self.known.versions.pop(chunk.key, None)
+        self._queue.put((chunk, before is not None and before != version(chunk)))
+
+    def _skip(self, chunks: list[Chunk], why: str) -> None:
+        self.gate.count(self.gate.skipped, why, len(chunks))
+        for chunk in chunks:
+            self._on_loop(self.known.doubt, chunk.key)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while len(batch) < BATCH:
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        self._queue.put(None)  # stop once this batch is written
+                        break
+                    batch.append(more)
+            chunks = [c for c, _ in batch]
+            try:
+                self._write(chunks, [c.key for c, replaced in batch if replaced])
+            except Exception:  # noqa: BLE001 - the writer never dies: skipped, counted
+                log.exception("mooncake tier: a write failed")
+                self._skip(chunks, "other")
+            finally:
+                with self._lock:
+                    self.queued_bytes -= sum(c.size for c in chunks)
+                self._on_loop(self.store.release, chunks)
+
+    def _write(self, chunks: list[Chunk], replaced: list[ChunkKey]) -> None:
+        g = self.gate
+        if g.closed:
+            self._skip(chunks, CLOSING)
+            return
+        # A chunk dropped since it was queued (DropNamespace) is not written.
+        chunks = [c for c in chunks if not c.discarded]
+        if not chunks:
+            return
+        headers = g.connection.headers
+        slots = headers.take(len(chunks))
+        if slots is None:
+            self._skip(chunks, "busy")
+            return
+        try:
+            self._put(chunks, replaced, slots)
+        except Failed as exc:
+            self._skip(chunks, "unavailable" if exc.kind != CLOSING else CLOSING)
+        finally:
+            headers.give(slots)
+
+    def _put(self, chunks: list[Chunk], replaced: list[ChunkKey], slots: list[int]) -> None:
+        g = self.gate
+        headers = g.connection.headers
+        names, ptrs, sizes = [], [], []
+        for chunk, slot in zip(chunks, slots, strict=True):
+            namespace, key, layout = chunk.key
+            name = key_name(self.prefix, namespace, layout, key)
+            head = header(name, layout, chunk.size, chunk.digests)
+            if len(head) > len(headers.slot(slot, len(head))):
+                raise Failed("too_large")
+            headers.slot(slot, len(head))[:] = head
+            names.append(name)
+            ptrs.append([headers.addr(slot), self.store.base + chunk.offset])
+            sizes.append([len(head), chunk.size])
+        gone = [key_name(self.prefix, k[0], k[2], k[1]) for k in replaced]
+
+        def send(client: Any) -> list[int]:
+            if gone:  # Mooncake keeps the first value put: the old bytes go first
+                client.batch_remove(gone, True)
+            codes = list(
+                client.batch_put_from_multi_buffers(names, ptrs, sizes, g.connection.replicate)
+            )
+            kinds = {code_kind(rc) for rc in codes if rc < 0}
+            if all(rc < 0 for rc in codes):
+                failed = next((k for k in kinds if k in FAILURES), None)
+                if failed is not None:  # nothing landed: Mooncake is failing
+                    raise Failed(failed)
+            return codes
+
+        codes = g.call_now(send)
+        for chunk, name, rc in zip(chunks, names, codes, strict=True):
+            if rc < 0 and code_kind(rc) != "exists":  # exists: another server put it
+                kind = code_kind(rc)
+                g.count(g.errors, kind)
+                self._skip([chunk], kind)
+                continue
+            g.add(writes=1, bytes_written=chunk.size)
+            if chunk.discarded:  # dropped while it was sent: the drop may have missed it
+                with contextlib.suppress(Failed):
+                    g.call_now(functools.partial(_remove, name=name))
+                continue
+            self._on_loop(self.known.remember, chunk.key, version(chunk))
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
+            self.loop.call_soon_threadsafe(fn, *args)
+
+
+def _remove(client: Any, name: str) -> int:
+    return int(client.remove(name, True))
