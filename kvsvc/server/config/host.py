@@ -20,7 +20,7 @@ from kvsvc.server.config.settings import ServerConfig
 #: A client's bearer token comes from a file (never argv, never a log line).
 TOKEN_FILE_ENV = "KVSVC_TOKEN_FILE"
 # sockaddr_un.sun_path minus its NUL: a longer unix socket path cannot be bound
-# (kvsvc.server.data.fdbroker's _MAX_SUN_PATH).
+# (the fd socket's too: kvsvc.server.data.fdsocket).
 MAX_UNIX_PATH = 107
 
 
@@ -170,7 +170,7 @@ def _check_path_length(flag: str, path: str) -> None:
 
 def check_unix_socket(flag: str, path: str, gid: int) -> None:
     """Whether the server can make its unix socket at ``path`` and give it ``gid``
-    (-1: keep), as kvsvc.server.data.fdbroker will: tried on a probe socket beside
+    (-1: keep), as kvsvc.server.data.fdsocket will: tried on a probe socket beside
     it (at ``path`` itself, when free, if the probe's name would be too long), then
     removed. A socket left there by a server that died is replaced then; a file, a
     directory or a live server there are refused here."""

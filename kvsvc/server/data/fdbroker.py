@@ -6,14 +6,15 @@ failed Map can be retried and ranks can share one fd, but only
 ``FD_TOKEN_UNUSED_TTL_S`` if no Map came; what it holds is bounded in all and per
 process, and a silent peer delays no one.
 
-Who owns a passed memfd, so that a dead engine's KV memory is not kept alive by
-the server's mapping: an engine that passes over a *lease* connection (it stays
-open, ``LEASE_MAGIC``) owns it while that connection is open. The kernel closes
-it when the engine's process dies, whatever its pid namespace, and the broker
-then releases its tokens at once and tells the server (``on_lease_end``) to
-release its mappings. A one-shot pass (``MAGIC``, the older clients) is owned by
-the passing pid through a pidfd; a peer in another pid namespace has pid 0 there
-and no owner: its mappings live until unmapped (use a lease).
+Who owns a passed memfd (kvsvc.server.data.fdowners), so that a dead engine's KV
+memory is not kept alive by the server's mapping: an engine that passes over a
+*lease* connection (it stays open, ``LEASE_MAGIC``) owns it while that connection
+is open. The kernel closes it when the engine's process dies, whatever its pid
+namespace, and the broker then releases its tokens at once and tells the server
+(``on_lease_end``) to release its mappings. A one-shot pass (``MAGIC``, the older
+clients) is owned by the passing pid through a pidfd; a peer in another pid
+namespace has pid 0 there and no owner: its mappings live until unmapped (use a
+lease). Where the socket listens and who may connect: kvsvc.server.data.fdsocket.
 """
 
 from __future__ import annotations
@@ -25,17 +26,14 @@ import logging
 import os
 import resource
 import secrets
-import select
 import selectors
 import socket
 import stat
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvsvc.errors import (
     CapacityExhausted,
@@ -45,7 +43,6 @@ from kvsvc.errors import (
     ServiceUnavailable,
 )
 from kvsvc.framing import FILE_LEASE_MAGIC, LEASE_MAGIC, MAGIC, error_reply, token_reply
-from kvsvc.limits import FD_SOCKET_NAME
 from kvsvc.server.config import (
     FD_LEASES_MAX,
     FD_PEER_TIMEOUT_S,
@@ -55,50 +52,10 @@ from kvsvc.server.config import (
     FD_TOKENS_MAX,
     FD_TOKENS_PER_PEER_MAX,
 )
+from kvsvc.server.data.fdowners import Lease, Owner, PidOwner, SharedPidfd, exited, pidfd
+from kvsvc.server.data.fdsocket import answers, restrict_socket
 
 log = logging.getLogger(__name__)
-
-_MAX_SUN_PATH = 107  # sockaddr_un.sun_path minus the NUL
-
-
-def socket_path(setting: str, shm_dir: str, start_id: str, socket_dir: str = "") -> str | None:
-    """Where the server listens for fds: ``setting``, or for 'auto' fd.sock in the
-    socket dir (shared with engines' containers), else a per-server name in the shm
-    dir, or in the temp dir when that path is too long for a unix socket; None for
-    'off'."""
-    if setting == "off":
-        return None
-    if setting != "auto":
-        return setting
-    if socket_dir:
-        return os.path.join(socket_dir, FD_SOCKET_NAME)
-    name = f".kvsvc-{start_id[:12]}.fds"
-    path = os.path.join(shm_dir, name)
-    if len(os.fsencode(path)) > _MAX_SUN_PATH:
-        path = os.path.join(tempfile.gettempdir(), name)
-    return path
-
-
-def prepare_socket_dir(path: str, gid: int) -> None:
-    """Make the socket dir (0750) if missing; give it ``gid`` (-1: keep) when this
-    process owns it. A directory someone else made (a hostPath, a volume) keeps its
-    mode: the sockets' own 0660 and group decide who may connect."""
-    os.makedirs(path, mode=0o750, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid == os.geteuid():
-        if gid >= 0 and st.st_gid != gid:
-            os.chown(path, -1, gid)
-        if st.st_mode & 0o007:
-            os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o007)  # others: nothing
-    elif st.st_mode & 0o002:
-        log.warning("socket dir %s is writable by everyone: anyone can replace its sockets", path)
-
-
-def restrict_socket(path: str, gid: int) -> None:
-    """Only the server's uid and ``gid`` (-1: the server's gid) may connect."""
-    if gid >= 0:
-        os.chown(path, -1, gid)
-    os.chmod(path, 0o660)
 
 
 def check_sealed(fd: int) -> int:
@@ -137,64 +94,12 @@ def check_file(fd: int) -> int:
     return int(st.st_size)
 
 
-class Owner(Protocol):
-    """What a mapped memfd region asks about the engine that passed it."""
-
-    def gone(self) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class Lease:
-    """An engine's lease connection on the fd socket: it owns every fd passed over
-    it until it closes (the broker calls ``end``). Shared by the regions that use
-    those fds; their ``close`` leaves it alone."""
-
-    def __init__(self, pid: int, uid: int) -> None:
-        self.pid = pid  # as SO_PEERCRED shows it: 0 from another pid namespace
-        self.uid = uid
-        self._ended = threading.Event()
-
-    def gone(self) -> bool:
-        return self._ended.is_set()
-
-    def close(self) -> None:
-        """A region let go of it; the lease lives on while its connection does."""
-
-    def end(self) -> None:
-        self._ended.set()
-
-
-class PidOwner:
-    """A region's own pidfd of the process that passed its fd (one-shot passes)."""
-
-    def __init__(self, pidfd: int) -> None:
-        self.fd = pidfd
-
-    def gone(self) -> bool:
-        return exited(self.fd)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-@dataclass
-class _Owner:
-    """A pidfd of a process that passed fds, shared by all the fds it passed."""
-
-    pid: int
-    fd: int
-    refs: int = 0
-
-
 @dataclass
 class _Held:
     fd: int
     size: int
     pid: int  # the passing process as SO_PEERCRED shows it (0: another pid namespace)
-    owner: _Owner | None  # one-shot passes with a pid
+    owner: SharedPidfd | None  # one-shot passes with a pid
     lease: Lease | None  # passes over a lease connection
     passed: float
     used: bool = False  # a Map has opened it
@@ -243,12 +148,12 @@ class FdBroker:
         self.on_lease_end = on_lease_end
         self._lock = threading.Lock()
         self._fds: dict[str, _Held] = {}
-        self._owners: dict[int, _Owner] = {}  # pid -> its live pidfd
+        self._owners: dict[int, SharedPidfd] = {}  # pid -> its live pidfd
         self._peers: dict[socket.socket, float] = {}  # connection -> when it is dropped
         self._leases: dict[socket.socket, Lease] = {}  # lease connections, open until EOF
         self._stop = threading.Event()
         if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
-            if _answers(path):
+            if answers(path):
                 raise FileExistsError(f"{path}: another server is listening on this fd socket")
             os.unlink(path)  # a socket left by a server that died
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -349,14 +254,14 @@ class FdBroker:
                 if self._owners.get(owner.pid) is owner:
                     del self._owners[owner.pid]
 
-    def _owner(self, pid: int) -> _Owner | None:
+    def _owner(self, pid: int) -> SharedPidfd | None:
         owner = self._owners.get(pid)
         if owner is not None and not exited(owner.fd):
             return owner
-        fd = _pidfd(pid)  # an exited owner's pid may now be another process's
+        fd = pidfd(pid)  # an exited owner's pid may now be another process's
         if fd < 0:
             return None
-        self._owners[pid] = owner = _Owner(pid, fd)
+        self._owners[pid] = owner = SharedPidfd(pid, fd)
         return owner
 
     def _register(self, fd: int, pid: int, lease: Lease | None, *, file: bool = False) -> str:
@@ -576,17 +481,6 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _answers(path: str) -> bool:
-    """Whether a server listens on the unix socket at ``path`` now."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
-
-
 def _reply(conn: socket.socket, data: bytes) -> bool:
     """Answer without blocking: a reply is small and a connection gets only one."""
     try:
@@ -609,24 +503,3 @@ def _fd_budget(max_tokens: int) -> int:
         max_tokens,
     )
     return max(1, soft // 4)
-
-
-def _pidfd(pid: int) -> int:
-    """A pidfd of ``pid``, or -1 where it cannot be had (a peer in another pid
-    namespace shows as pid 0; it may also have exited already)."""
-    if pid <= 0:
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return -1
-
-
-def exited(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` has exited (its pidfd is readable).
-    poll, not select: a server holding many fds has pidfds past FD_SETSIZE."""
-    if pidfd < 0:
-        return False
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))

@@ -24,7 +24,7 @@ from kvsvc.errors import request_parser
 from kvsvc.limits import server_options
 from kvsvc.server.config import ConfigError, ServerConfig, grpc_socket, socket_gid
 from kvsvc.server.config.host import metrics_address
-from kvsvc.server.data import fdbroker
+from kvsvc.server.data import fdsocket
 from kvsvc.server.data.copies import copy_loop
 from kvsvc.server.ops.health import Health, Watchdog
 from kvsvc.server.rpc.servicer import KVCacheServicer
@@ -61,7 +61,7 @@ class Server:
         self.health = Health()
         if config.network.socket_dir:
             try:
-                fdbroker.prepare_socket_dir(config.network.socket_dir, socket_gid(config))
+                fdsocket.prepare_socket_dir(config.network.socket_dir, socket_gid(config))
             except OSError as exc:
                 raise ConfigError(f"--socket-dir {config.network.socket_dir}: {exc}") from None
         self.servicer = KVCacheServicer(config, self.health)
@@ -110,7 +110,7 @@ class Server:
                 self.health_address = _bound(config.network.health_listen, health_port)
             if self.unix is not None:
                 self.grpc.add_insecure_port(self.unix)
-                fdbroker.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
+                fdsocket.restrict_socket(self.unix.removeprefix("unix:"), socket_gid(config))
         except (RuntimeError, OSError):  # grpc's bare 'Failed to bind' (its C core logs why)
             # The servicer made the fd socket and worker threads: leave nothing behind.
             if self.servicer.fds is not None:

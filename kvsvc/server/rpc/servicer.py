@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2
 from kvsvc import __version__
 from kvsvc.errors import ENVELOPE_VERSION, KVServiceError, ServiceNotServing
 from kvsvc.server.config import ConfigError, ServerConfig, shm_owner_uids, socket_gid
-from kvsvc.server.data import fdbroker
+from kvsvc.server.data import fdbroker, fdsocket
 from kvsvc.server.data.budget import InlineBudget
 from kvsvc.server.data.engine import TransferEngine
 from kvsvc.server.data.store import ChunkStore
@@ -136,7 +136,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """The fd socket; with 'auto' and no socket dir, a place where none can be
         made (read-only shm dir) only turns memfd regions off, loudly; a path or a
         socket dir the operator chose must work."""
-        path = fdbroker.socket_path(
+        path = fdsocket.socket_path(
             config.data.fd_socket, config.data.shm_dir, self.start_id, config.network.socket_dir
         )
         if path is None:
