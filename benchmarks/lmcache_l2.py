@@ -3,7 +3,11 @@ on this machine, through the adapter interface LMCache's storage controllers cal
 (each adapter built by LMCache's own parser and factory from its ``--l2-adapter``
 JSON, tasks submitted and completed through its eventfds), same run, same objects:
 
-- ``kvsvc``: the plugin adapter against a local ``kvsvc serve`` (memory store);
+- ``kvsvc``: the plugin adapter against a local ``kvsvc serve`` (memory store), on
+  its direct path: the L1 arena is LMCache's own with ``shm_name`` set (what its
+  server makes with ``--shm-name``), which kvsvc's server reads and writes in place;
+- ``kvsvc-staging``: the same adapter with ``l1_direct`` false (its path where
+  LMCache's L1 is anonymous or pinned memory: a staging region and one more copy);
 - ``fs``: LMCache's file-system adapter on a tmpfs directory (/dev/shm);
 - ``resp``: LMCache's RESP (Redis protocol) adapter against a local redis-server;
 - ``valkey``: LMCache's Valkey adapter against the same redis-server.
@@ -12,6 +16,9 @@ For 2 MiB and 32 MiB objects: store (tasks of 64 MiB), load of every object (a h
 the figure the goal is about, >= 1x the best built-in adapter), both in GB/s with
 each loaded byte checked; then a lookup-and-lock of 16 keys (p50 / p99), and the
 same lookups with kvsvc killed (the goal: p99 does not grow with kvsvc down).
+Beside them, the floor of a load on this machine, same bytes, same arena: one
+memcpy of them (torch ``copy_``, one thread) and ``preadv`` of them from a tmpfs
+file (what ``fs`` does per object).
 
 Needs LMCache (``make lmcache`` makes .venv-lmcache)::
 
@@ -97,6 +104,8 @@ def specs(kvsvc: str, fs_dir: str, redis_port: int, redis_why: str) -> dict[str,
         },
         "fs": {"type": "fs", "base_path": fs_dir},
     }
+    out["kvsvc-staging"] = json.loads(json.dumps(out["kvsvc"]))
+    out["kvsvc-staging"]["adapter_params"]["l1_direct"] = False
     if redis_why:
         out["resp"] = out["valkey"] = redis_why
     else:
@@ -105,13 +114,31 @@ def specs(kvsvc: str, fs_dir: str, redis_port: int, redis_why: str) -> dict[str,
     return out
 
 
-def build(spec: dict[str, Any], l1: Any) -> Any:
-    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+class Arena:
+    """LMCache's own L1 memory manager with ``shm_name`` set, as its MP server makes
+    it with ``--shm-name``: a POSIX shm file, and the descriptor its storage manager
+    hands every L2 adapter."""
+
+    def __init__(self, nbytes: int) -> None:
+        from lmcache.v1.distributed.config import L1MemoryManagerConfig
+        from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager
+
+        name = f"kvsvc_bench_{os.getpid()}_{time.monotonic_ns()}"
+        self.manager = L1MemoryManager(
+            L1MemoryManagerConfig(size_in_bytes=nbytes, use_lazy=False, shm_name=name)
+        )
+        self.buffer = self.manager._allocator.buffer[:nbytes]
+        self.desc = self.manager.get_l1_memory_desc()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def build(spec: dict[str, Any], desc: Any) -> Any:
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
     cfg = parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
-    desc = L1MemoryDesc(ptr=l1.data_ptr(), size=l1.numel(), align_bytes=1)
     return create_l2_adapter(cfg.adapters[0], l1_memory_desc=desc)
 
 
@@ -215,9 +242,11 @@ def measure(name: str, spec: dict[str, Any], size: int, total: int, rounds: int)
 
     n = max(2, total // size)
     per_task = max(1, TASK_BYTES // size)
-    src_l1 = torch.randint(0, 256, (n * size,), dtype=torch.uint8)
-    dst_l1 = torch.zeros(n * size, dtype=torch.uint8)
-    adapter = build(spec, src_l1)
+    arena = Arena(2 * n * size)
+    src_l1, dst_l1 = arena.buffer[: n * size], arena.buffer[n * size :]
+    src_l1.copy_(torch.randint(0, 256, (n * size,), dtype=torch.uint8))
+    dst_l1.zero_()
+    adapter = build(spec, arena.desc)
     try:
         ks = keys(f"{name}-{size}-{time.monotonic_ns()}-", n)
         src, dst = objects(src_l1, n, size), objects(dst_l1, n, size)
@@ -232,8 +261,12 @@ def measure(name: str, spec: dict[str, Any], size: int, total: int, rounds: int)
         lookup_lat, found = run_lookups(adapter, ks, rounds)
         load_s, hits = run_load(adapter, ks, dst, per_task)
         exact = hits == n and torch.equal(src_l1, dst_l1)
+        status = adapter.report_status() if name.startswith("kvsvc") else {}
+        if status and status.get("data_path") != ("staging" if "staging" in name else "direct"):
+            raise RuntimeError(f"{name} ran on the {status.get('data_path')} path: {status}")
     finally:
         adapter.close()
+        arena.close()
     return {
         "adapter": name,
         "object_mib": size // MIB,
@@ -248,14 +281,49 @@ def measure(name: str, spec: dict[str, Any], size: int, total: int, rounds: int)
     }
 
 
+def measure_floor(size: int, total: int, work: str) -> dict[str, float]:
+    """GB/s of the floor of a load of the same bytes into the same kind of arena: one
+    memcpy (torch ``copy_``, one thread) of each 64 MiB task, and ``preadv`` of each
+    object from a file on tmpfs (``fs``'s read, without its index or threads)."""
+    import torch
+
+    n = max(2, total // size)
+    arena = Arena(2 * n * size)
+    try:
+        src, dst = arena.buffer[: n * size], arena.buffer[n * size :]
+        src.copy_(torch.randint(0, 256, (n * size,), dtype=torch.uint8))
+        dst.zero_()
+        t0 = time.perf_counter()
+        for a in range(0, n * size, TASK_BYTES):
+            dst[a : a + TASK_BYTES].copy_(src[a : a + TASK_BYTES])
+        memcpy_s = time.perf_counter() - t0
+        path = os.path.join(work, f"floor-{size}")
+        with open(path, "wb") as f:
+            f.write(src.numpy().tobytes())
+        dst.zero_()
+        view = memoryview(dst.numpy())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            for a in range(0, n * size, size):
+                os.preadv(fd, [view[a : a + size]], a)
+            pread_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        if not torch.equal(src, dst):
+            raise RuntimeError("the floor's read was not bit-exact")
+    finally:
+        arena.close()
+    return {"memcpy_gbs": n * size / memcpy_s / 1e9, "pread_gbs": n * size / pread_s / 1e9}
+
+
 def measure_down(spec: dict[str, Any], kill: Any, rounds: int) -> dict[str, float]:
     """Lookups with kvsvc killed under the adapter, paced over DOWN_S (longer than
     the presence index answers without proof that kvsvc is live): the first that
     asks kvsvc finds out, the ones after it skip kvsvc."""
-    import torch
-
-    l1 = torch.zeros(MIB, dtype=torch.uint8)
-    adapter = build(spec, l1)
+    arena = Arena(MIB)
+    adapter = build(spec, arena.desc)
     try:
         ks = keys("down-", 64)
         run_lookups(adapter, ks, 5)
@@ -263,6 +331,7 @@ def measure_down(spec: dict[str, Any], kill: Any, rounds: int) -> dict[str, floa
         lat, found = run_lookups(adapter, ks, max(rounds, 100), DOWN_S / max(rounds, 100))
     finally:
         adapter.close()
+        arena.close()
     return {
         "p50_ms": pct(lat, 50) * 1e3,
         "p99_ms": pct(lat, 99) * 1e3,
@@ -276,7 +345,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for make lmcache")
     ap.add_argument("--total-mib", type=int, default=512, help="bytes stored per adapter and size")
     ap.add_argument("--rounds", type=int, default=200, help="lookups per adapter and size")
-    ap.add_argument("--only", nargs="*", default=["kvsvc", "fs", "resp", "valkey"])
+    ap.add_argument("--only", nargs="*", default=["kvsvc", "kvsvc-staging", "fs", "resp", "valkey"])
     args = ap.parse_args()
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -294,7 +363,7 @@ def main() -> int:
     redis, redis_port, redis_why = start_redis(work)
     fs_dir = os.path.join(work, "fs")
     os.makedirs(fs_dir)
-    rows, skipped = [], {}
+    rows, skipped, floors = [], {}, {}
     try:
         table = specs(target, fs_dir, redis_port, redis_why)
         for size in sizes:
@@ -307,8 +376,9 @@ def main() -> int:
                     rows.append(measure(name, spec, size, total, rounds))
                 except Exception as exc:
                     skipped[name] = f"{type(exc).__name__}: {exc}"
-                    if name == "kvsvc":
+                    if name.startswith("kvsvc"):
                         raise
+            floors[size] = measure_floor(size, total, work)
         down = measure_down(table["kvsvc"], kv_proc.kill, rounds)
     finally:
         for p in (kv_proc, redis):
@@ -323,21 +393,31 @@ def main() -> int:
         f"run: {total // MIB} MiB per adapter and size, tasks of {TASK_BYTES // MIB} MiB"
     )
     print(
-        f"{'adapter':8} {'object':>7} {'store GB/s':>11} {'load GB/s':>10} {'exact':>6} "
+        f"{'adapter':13} {'object':>7} {'store GB/s':>11} {'load GB/s':>10} {'exact':>6} "
         f"{'lookup p50 ms':>14} {'p99 ms':>8}"
     )
     for r in rows:
         print(
-            f"{r['adapter']:8} {r['object_mib']:>5}Mi {r['store_gbs']:>11.2f} "
+            f"{r['adapter']:13} {r['object_mib']:>5}Mi {r['store_gbs']:>11.2f} "
             f"{r['load_gbs']:>10.2f} {r['bit_exact']!s:>6} {r['lookup_p50_ms']:>14.3f} "
             f"{r['lookup_p99_ms']:>8.3f}"
         )
     for name, why in skipped.items():
-        print(f"{name:8} not measured: {why}")
+        print(f"{name:13} not measured: {why}")
+    for size, fl in floors.items():
+        print(
+            f"floor, {size // MIB} MiB objects, same bytes into the same arena: memcpy "
+            f"{fl['memcpy_gbs']:.2f} GB/s (one thread), preadv from tmpfs "
+            f"{fl['pread_gbs']:.2f} GB/s"
+        )
     ok = True
     for size in sizes:
         mine = [r for r in rows if r["adapter"] == "kvsvc" and r["object_mib"] == size // MIB]
-        theirs = [r for r in rows if r["adapter"] != "kvsvc" and r["object_mib"] == size // MIB]
+        theirs = [
+            r
+            for r in rows
+            if not r["adapter"].startswith("kvsvc") and r["object_mib"] == size // MIB
+        ]
         if not mine or not theirs:
             continue
         best = max(theirs, key=lambda r: r["load_gbs"])
@@ -347,7 +427,7 @@ def main() -> int:
             f"{mine[0]['load_gbs']:.2f} GB/s vs {best['adapter']} {best['load_gbs']:.2f} "
             f"GB/s = {ratio:.2f}x"
         )
-        ok &= mine[0]["bit_exact"]
+        ok &= all(r["bit_exact"] for r in rows if r["adapter"].startswith("kvsvc"))
     up = [r["lookup_p99_ms"] for r in rows if r["adapter"] == "kvsvc"]
     print(
         f"goal lookup p99 with kvsvc down <= up: down p50 {down['p50_ms']:.3f} ms, p99 "

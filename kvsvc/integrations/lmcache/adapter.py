@@ -13,7 +13,11 @@ verified (kvsvc checks each chunk's CRC-32C as it copies it), a store is reporte
 failed. After a failure kvsvc counts as down for ``reconnect_interval_s`` (absent,
 stores failed at once), then the adapter reconnects and maps its staging again.
 
-Data path: lanes.py (one copy per batch into a staging region kvsvc maps once).
+Data path, chosen at construction and said why: direct.py where LMCache's L1
+arena is a shared file kvsvc can take (arena.py; ``--shm-name``): kvsvc's server
+copies straight between its store and LMCache's objects, and a task whose copies
+are not proven ended is held incomplete until they are (held.py); else
+staging.py (one copy per batch into a staging region kvsvc maps once, lanes.py).
 Keys and namespaces: keys.py. ``submit_unlock`` holds nothing in kvsvc: kvsvc has no
 per-key pin, so an object evicted between lookup and load is a load miss (its bit
 is 0), which LMCache handles as for any adapter."""
@@ -28,34 +32,30 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lmcache
-import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from kvsvc.client import KVCacheClient, MappingHandle
-from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss
+from kvsvc.client import KVCacheClient
+from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError
 from kvsvc.integrations.common import Link
-from kvsvc.integrations.lmcache.config import LmcacheAdapterConfig
+from kvsvc.integrations.lmcache.arena import Arena, find_l1_file
+from kvsvc.integrations.lmcache.config import MAX_SKIPS, LmcacheAdapterConfig
+from kvsvc.integrations.lmcache.direct import DirectPath
+from kvsvc.integrations.lmcache.held import Held, Prover, Unproven
 from kvsvc.integrations.lmcache.keys import Namespaces, chunk_key
-from kvsvc.integrations.lmcache.lanes import Lane, close_lanes, make_lane, mapped
+from kvsvc.integrations.lmcache.lanes import close_lanes
+from kvsvc.integrations.lmcache.staging import StagingPath
 
 log = logging.getLogger("kvsvc.lmcache")
 
 #: The LMCache releases this adapter was tested with, oldest and newest.
 TESTED_RANGE = ("0.5.6", "0.5.6")
-# How long past a task's own deadline a kvsvc future may take before it counts as
-# unproven: every kvsvc future ends by its deadline, so this is only a backstop.
-BACKSTOP_S = 1.0
-# Objects a load skips (a miss or a chunk that failed its checksum) before it
-# gives up on the rest of the task: each skip costs one more Retrieve.
-MAX_SKIPS = 8
 # Keys this adapter stored count as held for this long even where the presence
 # index has not seen their events yet (read your own writes: LMCache may look up
 # what it just stored); at most RECENT_KEYS of them are remembered.
@@ -85,20 +85,6 @@ class _LmcacheLink(Link):
     log = log
 
 
-def object_bytes(obj: Any) -> torch.Tensor | None:
-    """The object's logical bytes as a flat uint8 view of LMCache's own memory, or
-    None when it has none in host memory (an invalidated object, a device one)."""
-    try:
-        raw = obj.raw_tensor
-        size = int(obj.get_size())
-    except Exception:  # noqa: BLE001 - an object LMCache cannot describe: skipped
-        return None
-    if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu" or not raw.is_contiguous():
-        return None
-    flat = raw.reshape(-1).view(torch.uint8)
-    return flat[:size] if 0 < size <= flat.numel() else None
-
-
 class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     """kvsvc as an LMCache L2 adapter (see the module docstring)."""
 
@@ -123,7 +109,6 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._store_done: dict[int, Any] = {}
         self._lookup_done: dict[int, Any] = {}
         self._load_done: dict[int, Any] = {}
-        self._lanes: dict[tuple[str, int], Lane] = {}
         self._locked: dict[Any, int] = {}
         self._indexes: dict[str, Any] = {}
         self._index_client: KVCacheClient | None = None
@@ -131,12 +116,31 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._recent: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._closed = False
         self.counters: dict[str, int] = {}
-        log.info(
-            "kvsvc L2 adapter: target %s, namespace prefix %s, staging %d MiB per lane",
-            cfg.target,
-            cfg.namespace,
-            cfg.staging_mib,
-        )
+        self.prover = Prover(self.link, self._finish, cfg.reconnect_interval_s, cfg.fence_timeout_s)
+        self.staging = StagingPath(self)
+        self.arena: Arena | None = None
+        self.direct: DirectPath | None = None
+        found = find_l1_file(l1_memory_desc) if cfg.l1_direct else "l1_direct is false"
+        if isinstance(found, str):
+            self.staging_why = found
+            log.info(
+                "kvsvc L2 adapter: target %s, namespace prefix %s; data path: staging "
+                "(%d MiB per lane), not direct: %s",
+                cfg.target,
+                cfg.namespace,
+                cfg.staging_mib,
+                found,
+            )
+        else:
+            self.arena, self.staging_why = Arena(found), ""
+            self.direct = DirectPath(self, self.arena)
+            log.info(
+                "kvsvc L2 adapter: target %s, namespace prefix %s; data path: direct "
+                "(kvsvc copies LMCache's L1 objects in place, file %s)",
+                cfg.target,
+                cfg.namespace,
+                found.path,
+            )
 
     # --- eventfds ---
     def get_store_event_fd(self) -> int:
@@ -149,6 +153,23 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return int(self._efds["load"].fileno())
 
     # --- tasks: queued on the kind's thread; a result and a signal always follow ---
+    def _direct(
+        self,
+        direction: str,
+        ns: str,
+        size: int,
+        idx: list[int],
+        keys: list[Any],
+        objects: list[Any],
+        out: list[bool],
+        unproven: list[Unproven],
+    ) -> list[int]:
+        """The positions of ``idx`` the direct path did not take (all of them
+        without it): they go through the staging lanes."""
+        if self.direct is None:
+            return idx
+        return self.direct.run(direction, ns, size, idx, keys, objects, out, unproven)
+
     def _submit(
         self,
         kind: str,
@@ -182,7 +203,14 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._count(f"{kind}_errors")
             self.warn.warning("kvsvc %s task failed (%s: %s)", kind, type(exc).__name__, exc)
         finally:
-            self._finish(kind, task_id, failed(len(keys)) if result is None else result)
+            if isinstance(result, Held):
+                # Its L1 objects may still be copied: LMCache keeps them (the task
+                # is not complete) until the prover gives the result.
+                result.kind, result.task_id = kind, task_id
+                self._count(f"{kind}_tasks_held")
+                self.prover.hold(result)
+            else:
+                self._finish(kind, task_id, failed(len(keys)) if result is None else result)
 
     def _finish(self, kind: str, task_id: int, result: Any) -> None:
         done = {"store": self._store_done, "lookup": self._lookup_done, "load": self._load_done}
@@ -213,12 +241,18 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._count("stores_skipped_down")
             return L2StoreResult(False, 0)
         stored = [False] * len(keys)
+        unproven: list[Unproven] = []
         for (ns, size), idx in self._groups(keys, objects).items():
-            lane = self._lane("store", size)
+            staged = self._direct("store", ns, size, idx, keys, objects, stored, unproven)
+            if not staged:
+                continue
+            lane = self.staging.lane("store", size)
             if lane is None:
                 continue
-            got = self._store_group(lane, ns, [keys[i] for i in idx], [objects[i] for i in idx])
-            for i, ok in zip(idx, got, strict=True):
+            got = self.staging.store(
+                lane, ns, [keys[i] for i in staged], [objects[i] for i in staged]
+            )
+            for i, ok in zip(staged, got, strict=True):
                 stored[i] = ok
         done = [i for i, ok in enumerate(stored) if ok]
         self._remember([keys[i] for i in done])
@@ -227,61 +261,8 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_stored([keys[i] for i in done], sizes)
             self._count("objects_stored", len(done))
         nbytes = sum(int(objects[i].get_size()) for i in done)
-        return L2StoreResult(len(done) == len(keys), nbytes)
-
-    def _store_group(self, lane: Lane, ns: str, keys: list[Any], objects: list[Any]) -> list[bool]:
-        """Per object, whether kvsvc holds it now: copied into the lane a piece at a
-        time, each piece Stored while the next is copied."""
-        out = [False] * len(keys)
-        cfg = self.cfg
-        deadline = time.monotonic() + cfg.store_timeout_s
-        with lane.lock:
-            got = mapped(lane, self.link, self.namespaces.staging(), cfg.fence_timeout_s)
-            if got is None:
-                return out
-            client, mapping = got
-            staged = lane.staging.tensor
-            for r0 in range(0, len(keys), lane.slots):
-                r1 = min(r0 + lane.slots, len(keys))
-                pending: list[tuple[int, int, Future[Any], bool]] = []
-                for a in range(r0, r1, lane.piece(cfg.piece_mib)):
-                    b = min(a + lane.piece(cfg.piece_mib), r1)
-                    chunks = []
-                    for j in range(a, b):
-                        src = object_bytes(objects[j])
-                        if src is None or src.numel() != lane.object_bytes:
-                            continue
-                        staged[j - r0].copy_(src)
-                        chunks.append((chunk_key(keys[j]), [j - r0]))
-                    if not chunks:
-                        continue
-                    left = max(deadline - time.monotonic(), 0.001)
-                    f = client.store_async(mapping, chunks, namespace=ns, timeout=left)
-                    # A piece with an object that could not be staged is awaited
-                    # (its copy reads the slots) but counts as failed.
-                    pending.append((a, b, f, len(chunks) == b - a))
-                errors = self._settle_stores(pending, out, deadline)
-                if errors:
-                    self._after_failure(lane, client, mapping, errors[0], "store")
-                    break
-        return out
-
-    def _settle_stores(
-        self,
-        pending: list[tuple[int, int, Future[Any], bool]],
-        out: list[bool],
-        deadline: float,
-    ) -> list[BaseException]:
-        errors: list[BaseException] = []
-        for a, b, f, whole in pending:
-            try:
-                r = f.result(max(deadline - time.monotonic(), 0) + BACKSTOP_S)
-            except (KVServiceError, FutureTimeout) as exc:
-                errors.append(exc)
-                continue
-            if whole and int(r.stored_chunks) + int(r.present_chunks) == b - a:
-                out[a:b] = [True] * (b - a)
-        return errors
+        result = L2StoreResult(len(done) == len(keys), nbytes)
+        return Held("store", 0, result, unproven) if unproven else result
 
     # --- lookup and lock ---
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any) -> int:
@@ -411,73 +392,27 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if self.link.get() is None:
             self._count("loads_skipped_down")
             return bitmap
-        loaded: list[int] = []
+        done = [False] * len(keys)
+        unproven: list[Unproven] = []
         for (ns, size), idx in self._groups(keys, objects).items():
-            lane = self._lane("load", size)
+            staged = self._direct("load", ns, size, idx, keys, objects, done, unproven)
+            if not staged:
+                continue
+            lane = self.staging.lane("load", size)
             if lane is None:
                 continue
-            got = self._load_group(lane, ns, [keys[i] for i in idx], [objects[i] for i in idx])
-            loaded.extend(i for i, ok in zip(idx, got, strict=True) if ok)
+            got = self.staging.load(
+                lane, ns, [keys[i] for i in staged], [objects[i] for i in staged]
+            )
+            for i, ok in zip(staged, got, strict=True):
+                done[i] = ok
+        loaded = [i for i, ok in enumerate(done) if ok]
         for i in loaded:
             bitmap.set(i)
         if loaded:
             self._notify_keys_accessed([keys[i] for i in loaded])
             self._count("objects_loaded", len(loaded))
-        return bitmap
-
-    def _load_group(self, lane: Lane, ns: str, keys: list[Any], objects: list[Any]) -> list[bool]:
-        """Per object, whether it was loaded and verified: Retrieved into the lane's
-        slots a piece at a time, the verified ones copied out into LMCache's object.
-        A miss (or a chunk that failed its checksum) ends its piece; the objects
-        after it are tried again, up to MAX_SKIPS times per task."""
-        out = [False] * len(keys)
-        cfg = self.cfg
-        deadline = time.monotonic() + cfg.load_timeout_s
-        targets = [object_bytes(o) for o in objects]
-        todo = [
-            j for j, t in enumerate(targets) if t is not None and t.numel() == lane.object_bytes
-        ]
-        skips = 0
-        with lane.lock:
-            got = mapped(lane, self.link, self.namespaces.staging(), cfg.fence_timeout_s)
-            if got is None:
-                return out
-            client, mapping = got
-            staged = lane.staging.tensor
-            while todo and time.monotonic() < deadline:
-                batch, todo = todo[: lane.slots], todo[lane.slots :]
-                pending = []
-                for a in range(0, len(batch), lane.piece(cfg.piece_mib)):
-                    b = min(a + lane.piece(cfg.piece_mib), len(batch))
-                    chunks = [(chunk_key(keys[batch[s]]), [s]) for s in range(a, b)]
-                    left = max(deadline - time.monotonic(), 0.001)
-                    f = client.retrieve_async(mapping, chunks, namespace=ns, timeout=left)
-                    pending.append((a, b, f))
-                errors: list[BaseException] = []
-                retry: list[int] = []
-                for a, b, f in pending:
-                    try:
-                        r = f.result(max(deadline - time.monotonic(), 0) + BACKSTOP_S)
-                    except (KVServiceError, FutureTimeout) as exc:
-                        errors.append(exc)
-                        continue
-                    n = min(int(r.loaded_chunks), b - a)
-                    for s in range(a, a + n):
-                        target = targets[batch[s]]
-                        assert target is not None
-                        target.copy_(staged[s])
-                        out[batch[s]] = True
-                    if a + n < b:
-                        skips += 1
-                        retry.extend(batch[a + n + 1 : b])
-                if errors:
-                    self._after_failure(lane, client, mapping, errors[0], "retrieve")
-                    break
-                if skips > MAX_SKIPS:
-                    self._count("loads_cut_short")
-                    break
-                todo = retry + todo
-        return out
+        return Held("load", 0, bitmap, unproven) if unproven else bitmap
 
     # --- shared steps ---
     def _groups(self, keys: list[Any], objects: list[Any]) -> dict[tuple[str, int], list[int]]:
@@ -488,81 +423,55 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             out.setdefault((self.namespaces.of(k), int(o.get_size())), []).append(i)
         return out
 
-    def _lane(self, direction: str, size: int) -> Lane | None:
-        lane = self._lanes.get((direction, size))
-        if lane is not None:
-            return lane
-        sizes = {s for d, s in self._lanes if d == direction}
-        if len(sizes) >= self.cfg.max_object_sizes or size <= 0:
-            self._count("objects_of_unstaged_size")
-            self.warn.warning(
-                "kvsvc: objects of %d bytes: %s lanes exist for %d sizes already "
-                "(max_object_sizes): failed stores, misses",
-                size,
-                direction,
-                len(sizes),
-            )
-            return None
-        lane = make_lane(direction, size, self.cfg.staging_mib << 20)
-        with self._lock:
-            self._lanes[(direction, size)] = lane
-        return lane
-
-    def _after_failure(
-        self,
-        lane: Lane,
-        client: KVCacheClient,
-        mapping: MappingHandle,
-        exc: BaseException,
-        what: str,
-    ) -> None:
-        """After a failed transfer: bar the lane while a copy of it may still run (a
-        Fence lifts the bar), else count kvsvc as down; a plain miss counts as nothing."""
-        ids = client.unproven_transfers(mapping)
-        if ids or isinstance(exc, FutureTimeout):
-            lane.bar(mapping, ids)
-            self._count("lanes_barred")
-            self._failed(f"{what} (unproven: lane {lane.name} barred until a Fence)", exc)
-        elif not isinstance(exc, Miss):
-            lane.mapping = None
-            self._failed(what, exc)
-
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def _failed(self, what: str, exc: BaseException | None) -> None:
         self._count("kvsvc_failures")
         self._slow_lookups = 0
         with self._lock:
             self._recent.clear()  # kvsvc may come back empty
         self.link.failed()
-        for lane in list(self._lanes.values()):
+        for lane in list(self.staging.lanes.values()):
             lane.mapping = None
+        if self.arena is not None:
+            self.arena.forget()
         self.warn.warning(
             "kvsvc %s failed (%s: %s): misses for %.1f s",
             what,
-            type(exc).__name__,
+            type(exc).__name__ if exc is not None else "no reply",
             getattr(exc, "message", exc),
             self.cfg.reconnect_interval_s,
         )
 
     # --- status ---
     def report_status(self) -> dict[str, Any]:
-        """LMCache's status view: unhealthy while kvsvc counts as down or while a
-        staging lane is barred (a copy into it is not proven ended)."""
+        """LMCache's status view: unhealthy while kvsvc counts as down, while a
+        staging lane is barred (a copy into it is not proven ended) or while a task
+        is held (direct path: its L1 objects may still be copied; held.py)."""
         down_s = max(self.link.down_until - time.monotonic(), 0.0)
         barred = {
-            lane.name: list(lane.barred_ids) for lane in self._lanes.values() if lane.barred_ids
+            lane.name: list(lane.barred_ids)
+            for lane in self.staging.lanes.values()
+            if lane.barred_ids
         }
+        held = self.prover.status()
         with self._lock:
             counters = dict(self.counters)
             locked = len(self._locked)
+        arena = self.arena
+        path = "direct" if arena is not None and not arena.refused else "staging"
         return {
-            "is_healthy": not self._closed and down_s == 0 and not barred,
+            "is_healthy": not self._closed and down_s == 0 and not barred and not held,
             "type": "KvsvcL2Adapter",
             "target": self.cfg.target,
             "namespace_prefix": self.cfg.namespace,
+            "data_path": path,
+            "staging_why": self.staging_why or (arena.refused if arena is not None else ""),
             "kvsvc_down_for_s": round(down_s, 3),
             "barred_lanes": barred,
-            "unproven_transfers": sum(len(ids) for ids in barred.values()),
-            "lanes": sorted(lane.name for lane in self._lanes.values()),
+            "held_tasks": held,
+            "unproven_transfers": sum(len(ids) for ids in barred.values())
+            + sum(len(ids) for ids in held.values()),
+            "lanes": sorted(lane.name for lane in self.staging.lanes.values()),
+            "arena_mappings": sorted(arena.names()) if arena is not None else [],
             "locked_key_count": locked,
             **counters,
         }
@@ -572,9 +481,16 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         for pool in self._threads.values():
             # Queued tasks are dropped; running ones end by their deadlines.
             pool.shutdown(wait=True, cancel_futures=True)
+        held = self.prover.close()
+        if held:
+            # Never given: LMCache keeps their objects (its own shutdown releases
+            # them); a late copy lands in the file kvsvc holds open.
+            log.warning("kvsvc: closed with %d tasks held (copies not proven ended)", len(held))
         self.link.close()
-        close_lanes(list(self._lanes.values()))
-        self._lanes.clear()
+        close_lanes(list(self.staging.lanes.values()))
+        self.staging.lanes.clear()
+        if self.arena is not None:
+            self.arena.close()
         for efd in self._efds.values():
             with contextlib.suppress(OSError):
                 efd.close()

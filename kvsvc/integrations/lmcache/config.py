@@ -10,6 +10,13 @@ from typing import Any
 
 from kvsvc.integrations.common import ConnectionSettings, parse_settings
 
+# How long past a task's own deadline a kvsvc future may take before it counts as
+# unproven: every kvsvc future ends by its deadline, so this is only a backstop.
+BACKSTOP_S = 1.0
+# Objects a load skips (a miss or a chunk that failed its checksum) before it
+# gives up on the rest of the task: each skip costs one more Retrieve.
+MAX_SKIPS = 8
+
 
 @dataclass(frozen=True)
 class LmcacheAdapterConfig(ConnectionSettings):
@@ -27,6 +34,10 @@ class LmcacheAdapterConfig(ConnectionSettings):
     # Object sizes with a staging region of their own; an object of yet another
     # size is a failed store / a miss (said once), never an unbounded allocation.
     max_object_sizes: int = 4
+    # Copy LMCache's L1 objects in place where its L1 arena is a shared file
+    # (``--shm-name``): kvsvc's server reads and writes them, one copy; False
+    # keeps the staging lanes whatever LMCache's L1 is.
+    l1_direct: bool = True
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> LmcacheAdapterConfig:

@@ -14,6 +14,9 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from kvsvc.client import KVCacheClient, MappingHandle
 from kvsvc.errors import KVServiceError
@@ -59,6 +62,20 @@ class Lane:
     def close(self) -> None:
         with self.lock:
             self.staging.close()
+
+
+def object_bytes(obj: Any) -> torch.Tensor | None:
+    """The object's logical bytes as a flat uint8 view of LMCache's own memory, or
+    None when it has none in host memory (an invalidated object, a device one)."""
+    try:
+        raw = obj.raw_tensor
+        size = int(obj.get_size())
+    except Exception:  # noqa: BLE001 - an object LMCache cannot describe: skipped
+        return None
+    if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu" or not raw.is_contiguous():
+        return None
+    flat = raw.reshape(-1).view(torch.uint8)
+    return flat[:size] if 0 < size <= flat.numel() else None
 
 
 def make_lane(direction: str, object_bytes: int, budget_bytes: int) -> Lane:

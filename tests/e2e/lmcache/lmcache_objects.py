@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.config import L1MemoryManagerConfig
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
 
@@ -41,7 +43,8 @@ def plugin_spec(target: str, **params: Any) -> str:
 
 
 class L1:
-    """One buffer cut into objects, like LMCache's L1 arena."""
+    """One buffer cut into objects, like LMCache's L1 arena: anonymous memory (what
+    LMCache allocates without ``--shm-name``: the adapter's staging path)."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
@@ -49,6 +52,9 @@ class L1:
 
     def desc(self) -> L1MemoryDesc:
         return L1MemoryDesc(ptr=self.buffer.data_ptr(), size=self.buffer.numel(), align_bytes=1)
+
+    def close(self) -> None:
+        pass
 
     def objects(self, n: int, size: int, seed: int | None = None) -> list[TensorMemoryObj]:
         out = []
@@ -69,6 +75,25 @@ class L1:
             )
             out.append(TensorMemoryObj(raw.view(torch.float16), meta, parent_allocator=None))
         return out
+
+
+class ShmL1(L1):
+    """LMCache's own L1 memory manager with ``shm_name`` set (what its MP server
+    builds with ``--shm-name``): the arena is a POSIX shm file, and its descriptor
+    is the one LMCache's storage manager hands its L2 adapters (the direct path)."""
+
+    def __init__(self, nbytes: int, name: str) -> None:
+        self.manager = L1MemoryManager(
+            L1MemoryManagerConfig(size_in_bytes=nbytes, use_lazy=False, shm_name=name)
+        )
+        self.buffer = self.manager._allocator.buffer[:nbytes]
+        self.used = 0
+
+    def desc(self) -> L1MemoryDesc:
+        return self.manager.get_l1_memory_desc()
+
+    def close(self) -> None:
+        self.manager.close()
 
 
 def obj_bytes(obj: TensorMemoryObj) -> bytes:
@@ -141,10 +166,15 @@ def lookup(adapter: Any, ks: list[Any], timeout_s: float = 60) -> tuple[list[boo
     return [bool(bm.test(i)) for i in range(len(ks))], took
 
 
+def submit_load(adapter: Any, ks: list[Any], objs: list[Any]) -> int:
+    """A load task, its result left to the caller (``query_load_result``)."""
+    return int(adapter.submit_load_task(ks, objs))
+
+
 def load(
     adapter: Any, ks: list[Any], objs: list[Any], timeout_s: float = 60
 ) -> tuple[list[bool], float]:
-    task = adapter.submit_load_task(ks, objs)
+    task = submit_load(adapter, ks, objs)
     bm, took = _result(
         adapter, adapter.get_load_event_fd(), lambda: adapter.query_load_result(task), timeout_s
     )

@@ -19,7 +19,18 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="runs in .venv-lmcache")
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-from lmcache_objects import L1, keys, load, lookup, make_adapter, obj_bytes, plugin_spec, store
+from lmcache_objects import (
+    L1,
+    ShmL1,
+    keys,
+    load,
+    lookup,
+    make_adapter,
+    obj_bytes,
+    plugin_spec,
+    store,
+    submit_load,
+)
 from support import REPO, ServerProcess
 
 from kvsvc.integrations.lmcache.adapter import KvsvcL2Adapter
@@ -178,7 +189,7 @@ def test_a_corrupt_chunk_is_never_reported_loaded(make_server: Any) -> None:
     try:
         k, objs = keys("corrupt", 5), l1.objects(5, 64 * KIB, seed=5)
         assert store(a, k, objs)[0].is_successful()
-        lane = next(lane for (d, _), lane in a._lanes.items() if d == "store")
+        lane = next(lane for (d, _), lane in a.staging.lanes.items() if d == "store")
         from kvsvc.integrations.lmcache.keys import chunk_key
 
         st = server.server.servicer.store
@@ -227,6 +238,239 @@ def test_a_deadline_mid_load_holds_the_lane_until_a_fence(make_server: Any) -> N
     finally:
         failpoints.load("")
         a.close()
+
+
+@pytest.fixture
+def shm_l1() -> Any:
+    """LMCache's own L1 arenas with ``shm_name`` set (its server's ``--shm-name``)."""
+    made: list[ShmL1] = []
+
+    def make(nbytes: int) -> ShmL1:
+        made.append(ShmL1(nbytes, f"kvsvc_test_{time.monotonic_ns()}"))
+        return made[-1]
+
+    yield make
+    for l1 in made:
+        l1.close()
+
+
+def test_the_data_path_is_chosen_at_construction_and_said_why(
+    server: ServerProcess, shm_l1: Any
+) -> None:
+    """An L1 arena in a shared file (--shm-name) is copied in place (direct); an
+    anonymous one, no descriptor, or ``l1_direct`` false keeps the staging lanes,
+    and report_status says which path and why."""
+    direct = make_adapter(server.address, shm_l1(1 << 20))
+    anonymous = make_adapter(server.address, L1(1 << 20))
+    off = make_adapter(server.address, shm_l1(1 << 20), l1_direct=False)
+    try:
+        s = direct.report_status()
+        assert s["data_path"] == "direct" and s["staging_why"] == "", s
+        s = anonymous.report_status()
+        assert s["data_path"] == "staging" and "--shm-name" in s["staging_why"], s
+        s = off.report_status()
+        assert s["data_path"] == "staging" and "l1_direct" in s["staging_why"], s
+    finally:
+        for a in (direct, anonymous, off):
+            a.close()
+    none = KvsvcL2Adapter({"target": server.address}, None)
+    try:
+        assert none.report_status()["staging_why"] == "LMCache passed no l1_memory_desc"
+    finally:
+        none.close()
+
+
+def test_direct_round_trip_bit_exact_and_shared_with_staging_nodes(
+    server: ServerProcess, shm_l1: Any
+) -> None:
+    """On the direct path kvsvc copies LMCache's objects in place, bit-exact, for two
+    object sizes and more objects than one Store carries; a node on the staging
+    path loads what it stored and the other way (one layout); absent keys are 0
+    bits and their objects untouched."""
+    l1 = shm_l1(16 << 20)
+    a = make_adapter(server.address, l1, piece_mib=1)
+    staged_l1 = L1(4 << 20)
+    b = make_adapter(server.address, staged_l1, presence=False)
+    try:
+        small_k, big_k = keys("d-small", 40), keys("d-big", 5)
+        small, big = l1.objects(40, 64 * KIB, seed=11), l1.objects(5, 384 * KIB, seed=12)
+        result, _ = store(a, small_k + big_k, small + big)
+        assert result.is_successful(), a.report_status()
+        absent = keys("d-absent", 1)
+        into = l1.objects(41, 64 * KIB) + l1.objects(5, 384 * KIB)
+        got, _ = load(a, [*small_k[:20], absent[0], *small_k[20:], *big_k], into)
+        assert got == [*[True] * 20, False, *[True] * 20, *[True] * 5]
+        for s, d in zip(small + big, into[:20] + into[21:], strict=True):
+            assert obj_bytes(d) == obj_bytes(s)
+        assert obj_bytes(into[20]) == bytes(64 * KIB)
+        status = a.report_status()
+        assert status["data_path"] == "direct" and status["lanes"] == [], status
+        assert sorted(status["arena_mappings"]) == [
+            f"load/{384 * KIB}", f"load/{64 * KIB}", f"store/{384 * KIB}", f"store/{64 * KIB}"
+        ]  # fmt: skip
+        # A staging node loads what the direct node stored...
+        there = staged_l1.objects(5, 384 * KIB)
+        assert load(b, big_k, there)[0] == [True] * 5
+        assert [obj_bytes(x) for x in there] == [obj_bytes(x) for x in big]
+        # ...and the direct node loads what a staging node stored.
+        sk = keys("s-to-d", 4)
+        src = staged_l1.objects(4, 64 * KIB, seed=13)
+        assert store(b, sk, src)[0].is_successful()
+        back = l1.objects(4, 64 * KIB)
+        assert load(a, sk, back)[0] == [True] * 4
+        assert [obj_bytes(x) for x in back] == [obj_bytes(x) for x in src]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_direct_a_corrupt_chunk_is_never_reported_loaded(make_server: Any, shm_l1: Any) -> None:
+    """On the direct path kvsvc writes the object as it checks it: a chunk that fails
+    its CRC-32C is a 0 bit (LMCache then deletes that object unread), the objects
+    before and after it load bit-exact, and the stored copy is dropped."""
+    server = make_server()
+    l1 = shm_l1(4 << 20)
+    a = make_adapter(server.address, l1)
+    try:
+        k, objs = keys("d-corrupt", 5), l1.objects(5, 64 * KIB, seed=14)
+        assert store(a, k, objs)[0].is_successful()
+        from kvsvc.integrations.lmcache.keys import chunk_key
+
+        mapping = a.arena.entry("store", 64 * KIB).mapping
+        st = server.server.servicer.store
+        chunk = st.get(a.namespaces.of(k[2]), chunk_key(k[2]), mapping.layout_fingerprint)
+        assert chunk is not None
+        st.view[chunk.offset + 100] ^= 0xFF
+        into = l1.objects(5, 64 * KIB)
+        got, _ = load(a, k, into)
+        assert got == [True, True, False, True, True]
+        for i in (0, 1, 3, 4):
+            assert obj_bytes(into[i]) == obj_bytes(objs[i])
+        assert st.checksum_failures == 1
+        assert load(a, k[2:3], l1.objects(1, 64 * KIB))[0] == [False]  # dropped
+        assert a.report_status()["is_healthy"] is True
+    finally:
+        a.close()
+
+
+def _held_then_given(a: Any, task: int, timeout_s: float = 60) -> tuple[list[bool], float]:
+    """Waits until the load task is held (report_status), checks its result is not
+    given while it is, then waits for the result; (bitmap, seconds it was held)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(name == f"load {task}" for name in a.report_status()["held_tasks"]):
+        assert a.query_load_result(task) is None, "completed without being held"
+        assert time.monotonic() < deadline, f"never held: {a.report_status()}"
+        time.sleep(0.05)
+    held_at = time.monotonic()
+    status = a.report_status()
+    assert status["is_healthy"] is False and status["unproven_transfers"] >= 1, status
+    result = a.query_load_result(task)
+    if f"load {task}" in a.report_status()["held_tasks"]:
+        assert result is None, "a held task's result was given"
+    while result is None:
+        assert time.monotonic() < deadline, f"held for good: {a.report_status()}"
+        time.sleep(0.05)
+        result = a.query_load_result(task)
+    return [bool(result.test(i)) for i in range(result.size())], time.monotonic() - held_at
+
+
+def test_direct_a_deadline_mid_load_holds_the_task_until_a_fence(
+    make_server: Any, shm_l1: Any
+) -> None:
+    """A load whose deadline passes while kvsvc still copies into LMCache's objects
+    is held incomplete (its objects stay LMCache's task's: never reused while kvsvc
+    may write them), unhealthy with its transfer named, until a Fence proves the copy
+    ended; then it completes with those objects 0 bits, and loads hit again."""
+    server = make_server()
+    l1 = shm_l1(4 << 20)
+    a = make_adapter(server.address, l1, load_timeout_s=0.5, piece_mib=1)
+    try:
+        k, objs = keys("d-deadline", 8), l1.objects(8, 64 * KIB, seed=15)
+        assert store(a, k, objs)[0].is_successful()
+        failpoints.load("transfer.copy=sleep(3000)")
+        try:
+            task = submit_load(a, k, l1.objects(8, 64 * KIB))
+            got, _ = _held_then_given(a, task)
+        finally:
+            failpoints.load("")
+        assert got == [False] * 8
+        assert a.report_status()["held_tasks"] == {}
+        into = l1.objects(8, 64 * KIB)
+        deadline = time.monotonic() + 60
+        while (got := load(a, k, into)[0]) != [True] * 8:
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.3)
+        assert [obj_bytes(x) for x in into] == [obj_bytes(x) for x in objs]
+        assert a.report_status()["is_healthy"] is True
+    finally:
+        failpoints.load("")
+        a.close()
+
+
+def test_direct_kvsvc_stopped_then_killed_and_restarted(tmp_path: Path, shm_l1: Any) -> None:
+    """kvsvc SIGSTOPped mid-load: the task is held (no result, unhealthy) however long
+    it stays stopped; SIGCONT: a Fence proves the copies ended and the task
+    completes. Stopped again and then killed and restarted: the new server start
+    proves it. Killed with nothing in flight: every task completes at once. Hits
+    again after each."""
+    port = free_port()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    srv = ServerProcess(shm, port=port)
+    l1 = shm_l1(4 << 20)
+    a = make_adapter(srv.address, l1, load_timeout_s=1.0, store_timeout_s=1.0, fence_timeout_s=2.0)
+    k, objs = keys("d-stop", 6), l1.objects(6, 64 * KIB, seed=16)
+
+    def hits_again() -> None:
+        deadline = time.monotonic() + 60
+        into = l1.objects(6, 64 * KIB)
+        while load(a, k, into)[0] != [True] * 6:
+            store(a, k, objs)  # a restarted memory store is empty
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.3)
+        assert [obj_bytes(x) for x in into] == [obj_bytes(x) for x in objs]
+
+    try:
+        assert store(a, k, objs)[0].is_successful()
+        hits_again()
+
+        srv.signal(signal.SIGSTOP)
+        try:
+            task = submit_load(a, k, l1.objects(6, 64 * KIB))
+            deadline = time.monotonic() + 60
+            while f"load {task}" not in a.report_status()["held_tasks"]:
+                assert time.monotonic() < deadline, a.report_status()
+                time.sleep(0.05)
+            time.sleep(3.0)  # stopped past the deadline and several proof attempts
+            assert a.query_load_result(task) is None, "given while kvsvc is stopped"
+        finally:
+            srv.signal(signal.SIGCONT)
+        got, _ = _held_then_given(a, task)
+        assert got == [False] * 6 or got == [True] * 6, got  # the copy may have ended in time
+        hits_again()
+
+        srv.signal(signal.SIGSTOP)
+        task = submit_load(a, k, l1.objects(6, 64 * KIB))
+        deadline = time.monotonic() + 60
+        while f"load {task}" not in a.report_status()["held_tasks"]:
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.05)
+        srv.kill()
+        assert a.query_load_result(task) is None  # killed: nobody proves it yet
+        srv = ServerProcess(shm, port=port)
+        got, _ = _held_then_given(a, task)
+        assert got == [False] * 6
+        hits_again()
+        assert a.report_status()["is_healthy"] is True
+
+        srv.kill()
+        got, took = load(a, k, l1.objects(6, 64 * KIB), timeout_s=30)
+        assert got == [False] * 6 and took < 10
+        assert not store(a, k, objs, timeout_s=30)[0].is_successful()
+        assert a.report_status()["held_tasks"] == {}
+    finally:
+        a.close()
+        srv.kill()
 
 
 def test_lmcaches_own_l2_adapter_check(server: ServerProcess) -> None:
