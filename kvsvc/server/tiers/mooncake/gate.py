@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -59,6 +60,7 @@ class Gate:
         )
         self.closed = False
         self.inflight = 0  # calls on the threads now (on the loop)
+        self.calling = 0  # threads inside Mooncake now (any thread, under lock)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             THREADS, thread_name_prefix="kvsvc-mooncake"
         )
@@ -117,6 +119,8 @@ class Gate:
     def call(self, fn: Callable[[Any], T]) -> T:
         """On a Mooncake thread: ``fn(client)``; a Failed it raises is counted, and
         the breaker told whether Mooncake answered."""
+        with self.lock:
+            self.calling += 1
         try:
             out = fn(self.connection.get())
         except Failed as exc:
@@ -126,8 +130,21 @@ class Gate:
             warn.warning("mooncake tier: %s: %s: a miss", type(exc).__name__, exc)
             self.failed("other")
             raise Failed("other") from exc
+        finally:
+            with self.lock:
+                self.calling -= 1
         self.breaker.success()
         return out
+
+    def idle(self, timeout: float) -> bool:
+        """Whether no thread is inside Mooncake, waiting ``timeout`` s at most (the
+        client is closed, and the store's memory freed, only after its last call)."""
+        end = time.monotonic() + timeout
+        while self.calling:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.01)
+        return True
 
     def call_now(self, fn: Callable[[Any], T]) -> T:
         """``call`` from a thread of the tier's own (the writers), behind the breaker."""
