@@ -290,6 +290,30 @@ def test_truncated_forged_or_foreign_objects_are_misses(shared_weed, node, tmp_p
     assert health_status(b.address) == SERVING
 
 
+def test_a_retrieve_gets_the_read_prefix_up_to_a_bad_object(shared_weed, node, tmp_path) -> None:
+    """Of six chunks read from S3 in one Retrieve, the fourth's object is truncated:
+    the first three come back, none after; the chunks after it are read again later."""
+    settings = s3_settings(shared_weed, tmp_path)
+    a = node("a", **settings)
+    items = chunks(6, b"prefix")
+    with KVCacheClient(a.address) as c:
+        c.put(NS, items)
+    wait_written(a, 6)
+    raw = shared_weed.client()
+    name = object_name(settings["s3_prefix"], NS, INLINE_LAYOUT, items[3][0])
+    whole = raw.get_object(Bucket=shared_weed.bucket, Key=name)["Body"].read()
+    raw.put_object(Bucket=shared_weed.bucket, Key=name, Body=whole[:-10])
+    b = node("b", **settings)
+    with KVCacheClient(b.address) as cb:
+        got = cb.get_many(NS, [k for k, _ in items], timeout=DEADLINE_S)
+        assert got == [data for _, data in items[:3]]
+        assert cb.get_many(NS, [k for k, _ in items[4:]], timeout=DEADLINE_S) == [
+            data for _, data in items[4:]
+        ]
+    assert tier(b).endpoint.rejected == {"truncated": 1}
+    assert corrupt_loads(b) == 0
+
+
 def test_server_killed_mid_get_is_misses_or_hits(own_weed, node, tmp_path) -> None:
     settings = s3_settings(own_weed, tmp_path)
     a = node("a", **settings)

@@ -2,9 +2,10 @@
 their own threads, within the call's budget. Each object's header is read and
 checked first; the loop then reserves the chunk, and the body is read straight
 into it, each store segment CRC-checked as it lands (no copy but the kernel's).
-Chunks are committed in key order up to the first that failed (the prefix); a
-read still running when the budget is spent is left to end by itself (bounded
-by --s3-timeout) and its chunk freed then."""
+Chunks are committed in key order up to the first that failed (the prefix), each
+run as soon as it is read, so a Retrieve copies it out while later ones are
+still read; a read still running when the budget is spent is left to end by
+itself (bounded by --s3-timeout) and its chunk freed then."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +73,22 @@ class Reads:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def load(
-        self, namespace: str, layout: str, keys: list[bytes], budget: float
-    ) -> list[Chunk]:
+        self,
+        namespace: str,
+        layout: str,
+        keys: list[bytes],
+        budget: float,
+        committed: Callable[[], None],
+    ) -> None:
         """Bring the leading ``keys`` memory lacks into it, verified, within
-        ``budget`` s: the chunks committed, read-pinned (the caller releases them)."""
+        ``budget`` s. Each run of chunks read in key order is committed as soon as
+        it is (``committed`` runs while they are pinned here), so a Retrieve
+        copies them out while later ones are still read."""
         e = self.endpoint
         deadline = time.monotonic() + max(budget, 0.0)
         if self.inflight >= READS_MAX:  # earlier loads still wait on S3: a miss at once
             e.count(e.errors, BUSY)
-            return []
+            return
         jobs: list[_Job] = []
         for key in keys:
             if self.store.get(namespace, key, layout) is not None:
@@ -91,10 +100,17 @@ class Reads:
             job = _Job(namespace, key, layout, deadline, done=self.loop.create_future())
             self._submit(job)
             jobs.append(job)
-        waits = [j.done for j in jobs if j.done is not None]
-        if waits:
-            await asyncio.wait(waits, timeout=max(budget, 0.0))
-        return self._settle(jobs)
+        settled = 0
+        while settled < len(jobs):
+            done = jobs[settled].done
+            left = deadline - time.monotonic()
+            if done is not None and not done.done() and left > 0:
+                await asyncio.wait([done], timeout=left)
+            n = self._commit_ready(jobs, settled, committed)
+            if n == 0:  # jobs[settled] failed, or the budget is spent
+                break
+            settled += n
+        self._abandon(jobs[settled:])
 
     def _submit(self, job: _Job) -> None:
         done = job.done
@@ -121,32 +137,47 @@ class Reads:
         with contextlib.suppress(RuntimeError):  # a closed loop: the store goes with it
             self.loop.call_soon_threadsafe(fn, *args)
 
-    def _settle(self, jobs: list[_Job]) -> list[Chunk]:
-        """Commit the read chunks in key order up to the first that failed; free
-        the rest (those still reading: once they end)."""
+    def _commit_ready(self, jobs: list[_Job], first: int, committed: Callable[[], None]) -> int:
+        """Commit the run of chunks read from ``jobs[first]`` on, in key order, up
+        to the first not read (yet); ``committed`` once for the run. How many jobs
+        it took (0: ``jobs[first]`` is not read)."""
         e = self.endpoint
         pinned: list[Chunk] = []
-        ok = True
+        n = 0
+        for job in jobs[first:]:
+            if job.present:
+                n += 1
+                continue
+            if job.done is None or not job.done.done() or job.digests is None:
+                break
+            chunk = job.chunk
+            assert chunk is not None
+            job.chunk = None
+            n += 1
+            if self.store.commit(chunk, job.digests):  # else: another call's is there
+                e.add(hits=1, bytes_read=chunk.size)
+                e.remember(chunk.key, chunk.size)
+                chunk.readers += 1
+                pinned.append(chunk)
+        if pinned:
+            try:
+                committed()  # the caller pins its prefix while these are pinned here
+            finally:
+                self.store.release(pinned)
+        return n
+
+    def _abandon(self, jobs: list[_Job]) -> None:
+        """The jobs after the prefix: misses; their chunks freed (those still
+        reading: once they end)."""
+        e = self.endpoint
         for job in jobs:
-            if ok and job.present:
+            if job.present:
                 continue
-            if ok and job.done is not None and job.done.done() and job.digests is not None:
-                chunk = job.chunk
-                assert chunk is not None
-                job.chunk = None
-                if self.store.commit(chunk, job.digests):  # else: another call's is there
-                    e.add(hits=1, bytes_read=chunk.size)
-                    e.remember(chunk.key, chunk.size)
-                    chunk.readers += 1
-                    pinned.append(chunk)
-                continue
-            ok = False
             e.add(misses=1)
             job.abandoned = True
             if job.done is not None and job.done.done() and job.chunk is not None:
                 self.store.abort(job.chunk)
                 job.chunk = None
-        return pinned
 
     # --- on a reader thread ---
     def _read(self, job: _Job) -> None:

@@ -180,12 +180,7 @@ class S3Tier(Tier):
         budget: float,
         committed: Callable[[], None],
     ) -> None:
-        loaded = await self.reads.load(namespace, layout, keys, budget)
-        if loaded:
-            try:
-                committed()  # the caller pins its prefix while these are pinned here
-            finally:
-                self.store.release(loaded)
+        await self.reads.load(namespace, layout, keys, budget, committed)
 
     # --- writes ---
     def write_behind(self, chunk: Chunk) -> None:
