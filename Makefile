@@ -109,10 +109,10 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 # Every section of benchmarks.run at tiny sizes (< 2 min on 2 cores), so the
 # benchmarks cannot rot unseen: fails, naming the section, if any section errs;
-# then the benchmarks outside it that take --smoke (~45 s).
-bench-smoke: $(VENV)/.bench-installed native seaweedfs
+# then the benchmarks outside it that take --smoke (~75 s).
+bench-smoke: $(VENV)/.bench-installed native seaweedfs mooncake
 	$(PY) -m benchmarks.run --smoke --out bench-results/smoke
-	for b in call_cost auth_cost copy_loop inline_flood stats_cost s3_tier; do \
+	for b in call_cost auth_cost copy_loop inline_flood stats_cost s3_tier mooncake_tier; do \
 	  $(PY) -m benchmarks.$$b --smoke >/dev/null || { echo "benchmarks.$$b --smoke failed"; exit 1; }; \
 	done
 
