@@ -7,117 +7,48 @@ long as the keys. So every kvsvc failure here becomes a miss (0, False for that
 page and the pages after it) within the call's deadline, never an exception or
 None; after a failure kvsvc counts as down for ``reconnect_interval_s`` (0 hits,
 writes refused) and the backend then maps its staging regions again. Reads and
-writes each have their own staging region (a ``_Lane``), so a prefetch never waits
+writes each have their own staging region (a ``Lane``), so a prefetch never waits
 on a backup. A transfer whose end is unproven bars its lane's region until a Fence
 (or a new server start) proves no late copy can land in it.
 
-Version gate: SGLang releases outside ``TESTED_RANGE`` get one warning, not a
-refusal, while the seams this backend uses are there (``HiCacheStorage`` with its
-v1 calls, the host pool's ``get_page_buffer_meta``); only their absence is an
-ImportError."""
+The version gate (kvsvc.integrations.sglang.gate) runs when this module is
+imported: missing seams are an ImportError, an untested release one warning."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import re
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
-import sglang
 import torch
 
 from kvsvc.client import KVCacheClient, MappingHandle
 from kvsvc.errors import BoundedLog, DeadlineExceeded, KVServiceError, Miss
 from kvsvc.integrations.common import Link
 from kvsvc.integrations.identity import fingerprint_weights
+from kvsvc.integrations.sglang import inline
 from kvsvc.integrations.sglang.config import SglangStorageConfig, model_source
+from kvsvc.integrations.sglang.gate import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from kvsvc.integrations.sglang.lanes import Lane, make_lanes
 from kvsvc.integrations.sglang.pages import (
     HostPages,
     LayoutRefused,
     PagesUnavailable,
-    Staging,
     host_pages,
-    make_staging,
 )
-from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.sglang")
-
-#: The SGLang releases this backend was tested with, oldest and newest.
-TESTED_RANGE = ("0.5.23", "0.5.23")
-#: What the backend calls on SGLang's classes; without any of them it cannot work.
-STORAGE_SEAMS = ("register_mem_pool_host", "batch_exists", "batch_get_v1", "batch_set_v1")
-POOL_SEAMS = ("get_page_buffer_meta",)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-
-
-def _absent(why: str) -> ImportError:
-    return ImportError(
-        f"kvsvc.integrations.sglang cannot run on SGLang {sglang.__version__}: {why} "
-        f"(tested with SGLang {TESTED_RANGE[0]} to {TESTED_RANGE[1]})"
-    )
-
-
-try:
-    from sglang.srt.mem_cache.hicache_storage import (
-        STORAGE_BATCH_SIZE,
-        HiCacheStorage,
-        HiCacheStorageConfig,
-        HiCacheStorageExtraInfo,
-    )
-except ImportError as exc:
-    raise _absent(f"its HiCache storage interface does not import ({exc})") from exc
-
-
-def _host_pools() -> list[type]:
-    """SGLang's MHA and MLA host pool classes where 0.5.x keeps them; where they
-    moved, each pool is checked when it is registered instead."""
-    try:
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-    except ImportError:
-        return []
-    return [MHATokenToKVPoolHost, MLATokenToKVPoolHost]
-
-
-def _check_seams() -> None:
-    """ImportError naming what is absent; one warning when the release is untested."""
-    missing = [
-        f"HiCacheStorage.{m}"
-        for m in STORAGE_SEAMS
-        if not callable(getattr(HiCacheStorage, m, None))
-    ]
-    missing += [
-        f"{pool.__name__}.{m}"
-        for pool in _host_pools()
-        for m in POOL_SEAMS
-        if not callable(getattr(pool, m, None))
-    ]
-    if missing:
-        raise _absent(f"it lacks {', '.join(missing)}")
-    version = _release(str(sglang.__version__))
-    if not _release(TESTED_RANGE[0]) <= version <= _release(TESTED_RANGE[1]):
-        log.warning(
-            "kvsvc: SGLang %s is outside the tested range %s to %s; the HiCache storage "
-            "seams kvsvc uses are present, so it runs",
-            sglang.__version__,
-            *TESTED_RANGE,
-        )
-
-
-_check_seams()
-
 
 # Pages per Store/Retrieve of a batch: small enough that gathering one piece overlaps
 # kvsvc's copy of the last, large enough that the calls' overhead stays small.
@@ -129,22 +60,6 @@ BACKSTOP_S = 1.0
 
 class _SglangLink(Link):
     log = log
-
-
-@dataclass
-class _Lane:
-    """One direction's staging region, its mapping and the lock that orders its
-    batches. Reads and writes each have one, so SGLang's prefetch thread never
-    waits on its backup thread (nor the reverse)."""
-
-    name: str
-    staging: Staging
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    mapping: MappingHandle | None = None
-    # A server start whose late copies may still land in the staging region, and
-    # the ids of those transfers (a Fence of them lifts the bar).
-    barred_start: str = ""
-    barred_ids: list[str] = field(default_factory=list)
 
 
 class KvsvcHiCacheStorage(HiCacheStorage):
@@ -164,7 +79,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         self.link = _SglangLink(cfg, cfg.fence_timeout_s)
         self.warn = BoundedLog(log, 10.0)
         self.pages: HostPages | None = None
-        self.lanes: dict[str, _Lane] = {}
+        self.lanes: dict[str, Lane] = {}
         # Pages as kvsvc stores them, (pages, elements) in the pool's dtype, and their
         # block dim: the geometry the namespace fingerprints.
         self.view: torch.Tensor | None = None
@@ -189,15 +104,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         pages = host_pages(mem_pool_host, self.is_mla)
         # MLA pages are the same on every rank: one region identity for all of them.
         rank, tp = (0, 1) if self.is_mla else (self.rank, self.tp)
-        lanes = {
-            name: _Lane(
-                name,
-                make_staging(
-                    f"kvsvc-sglang-{name}-tp{rank}", pages.page_bytes, STORAGE_BATCH_SIZE, rank, tp
-                ),
-            )
-            for name in ("get", "set")
-        }
+        lanes = make_lanes(pages, STORAGE_BATCH_SIZE, rank, tp)
         self.page_size = pages.page_size
         itemsize = pages.dtype.itemsize
         staged = lanes["get"].staging.tensor
@@ -284,7 +191,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             self.cfg.reconnect_interval_s,
         )
 
-    def _mapped(self, lane: _Lane, deadline: float) -> tuple[KVCacheClient, MappingHandle] | None:
+    def _mapped(self, lane: Lane, deadline: float) -> tuple[KVCacheClient, MappingHandle] | None:
         """The client and the lane's mapping (made again after a restart or an
         outage, within the call's ``deadline``), or None: kvsvc counts as down.
         Called under ``lane.lock``."""
@@ -295,32 +202,19 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             return client, lane.mapping
         timeout = min(self.cfg.fence_timeout_s, max(deadline - time.monotonic(), 0.001))
         try:
-            info = client.server_info(timeout=timeout)
-            if lane.barred_start and info.server_start_id == lane.barred_start:
-                # Same server start: a copy of ours may still run; only a Fence of
-                # those transfer ids proves it ended.
-                client.fence(None, lane.barred_ids, timeout=timeout)
-            lane.barred_start, lane.barred_ids = "", []
-            token = client.register_memfd(lane.staging.fd, timeout=timeout)
-            region = pb.RankRegion()
-            region.CopyFrom(lane.staging.region)
-            for t in region.tensors:
-                t.handle.sealed_memfd.token = token
-            mapping = client.map(self.namespace, [region], timeout=timeout)
+            mapping = lane.map(client, self.namespace, timeout)
         except (KVServiceError, OSError) as exc:
             self._failed("map", exc)
             return None
-        lane.mapping = mapping
         log.info("kvsvc: %s staging region mapped as %s", lane.name, mapping.mapping_id)
         return client, mapping
 
     def _unproven(
-        self, lane: _Lane, ids: list[str], mapping: MappingHandle, exc: BaseException
+        self, lane: Lane, ids: list[str], mapping: MappingHandle, exc: BaseException
     ) -> None:
         """A transfer failed without proof that its copy ended: bar the lane's
         staging region for this server start until a Fence proves it."""
-        lane.barred_start = mapping.server_start_id
-        lane.barred_ids = sorted(set(lane.barred_ids) | set(ids))
+        lane.bar(mapping, ids)
         self._failed("transfer", exc)
 
     # --- zero-copy (v1) ---
@@ -432,7 +326,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
 
     def _settle(
         self,
-        lane: _Lane,
+        lane: Lane,
         client: KVCacheClient,
         mapping: MappingHandle,
         exc: BaseException,
@@ -500,13 +394,14 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         return hits
 
     # --- the calls without interface_v1: pages inline over gRPC, named either by
-    # tensors or (as SGLang's other backends also take them) by host pointers ---
+    # tensors or (as SGLang's other backends also take them) by host pointers
+    # (kvsvc.integrations.sglang.inline) ---
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> Any:
         """The page as a tensor (into ``target_location`` when it is one), or None;
         with a host pointer and size, True when the bytes were loaded there."""
-        if _is_pointer(target_location):
+        if inline.is_pointer(target_location):
             return self.batch_get([key], [target_location], [target_sizes]) == 1
         got = self.batch_get([key], [target_location] if target_location is not None else None)
         return got[0] if isinstance(got, list) else None
@@ -519,15 +414,21 @@ class KvsvcHiCacheStorage(HiCacheStorage):
     ) -> Any:
         """Tensors (None from the first miss on), or with host pointers the number
         of leading keys loaded into them."""
-        by_pointer = target_locations is not None and _is_pointer(
+        by_pointer = target_locations is not None and inline.is_pointer(
             next(iter(target_locations), None)
         )
         try:
             if not self._registered("batch_get"):
                 return 0 if by_pointer else [None] * len(keys)
+            assert self.pages is not None
             if by_pointer:
-                return self._get_at(keys, list(target_locations or ()), target_sizes)
-            return self._get_tensors(keys, target_locations)
+                spans = inline.spans(
+                    self.pages, list(target_locations or ()), target_sizes, len(keys)
+                )
+                return inline.into_spans(self._fetch(keys), spans)
+            return inline.into_tensors(
+                self._fetch(keys), len(keys), self.pages.dtype, target_locations
+            )
         except PagesUnavailable as exc:
             self.warn.warning("kvsvc batch_get refused: %s", exc)
         except Exception as exc:  # noqa: BLE001 - SGLang's prefetch thread must not see it
@@ -544,31 +445,6 @@ class KvsvcHiCacheStorage(HiCacheStorage):
             )
         )
 
-    def _get_tensors(self, keys: list[str], targets: Any | None) -> list[torch.Tensor | None]:
-        assert self.pages is not None
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        for i, blob in enumerate(self._fetch(keys)):
-            t = torch.frombuffer(bytearray(blob), dtype=self.pages.dtype)
-            dst = targets[i] if targets is not None else None
-            if dst is not None:
-                if dst.numel() != t.numel():
-                    break  # another page geometry: a miss, never a wrong-sized copy
-                dst.view(-1).copy_(t)
-                t = dst
-            out[i] = t
-        return out
-
-    def _get_at(self, keys: list[str], ptrs: Sequence[Any], sizes: Any) -> int:
-        assert self.pages is not None
-        spans = [self.pages.span(p, s) for p, s in zip(ptrs, _sizes(sizes, len(keys)), strict=True)]
-        done = 0
-        for blob, span in zip(self._fetch(keys), spans, strict=False):
-            if len(blob) != span.numel():
-                break  # stored by another geometry: a miss, never a wrong-sized copy
-            span.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-            done += 1
-        return done
-
     def set(
         self,
         key: str,
@@ -576,7 +452,7 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         target_location: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        if _is_pointer(target_location):
+        if inline.is_pointer(target_location):
             return self.batch_set([key], None, [target_location], [target_sizes])
         return self.batch_set([key], [value])
 
@@ -593,17 +469,8 @@ class KvsvcHiCacheStorage(HiCacheStorage):
                 return False
             if not keys:
                 return True
-            if values is not None:
-                blobs = [_tensor_bytes(v) for v in values]
-            elif target_locations is not None:
-                assert self.pages is not None
-                sizes = _sizes(target_sizes, len(keys))
-                blobs = [
-                    self.pages.span(p, s).numpy().tobytes()
-                    for p, s in zip(target_locations, sizes, strict=True)
-                ]
-            else:
-                raise PagesUnavailable("batch_set got neither values nor target locations")
+            assert self.pages is not None
+            blobs = inline.page_bytes(self.pages, len(keys), values, target_locations, target_sizes)
             client = self.link.get()
             if client is None:
                 return False
@@ -665,25 +532,6 @@ class KvsvcHiCacheStorage(HiCacheStorage):
         for lane in lanes.values():
             with lane.lock:
                 lane.staging.close()
-
-
-def _is_pointer(location: Any) -> bool:
-    return isinstance(location, int) and not isinstance(location, bool)
-
-
-def _sizes(sizes: Any, n: int) -> list[int]:
-    """SGLang passes one size per target, or one for all of them."""
-    if isinstance(sizes, int):
-        return [sizes] * n
-    if sizes is None or len(sizes) != n:
-        raise PagesUnavailable(f"{n} target pointers but sizes {sizes!r}")
-    return [int(s) for s in sizes]
-
-
-def _tensor_bytes(value: Any) -> bytes:
-    if not isinstance(value, torch.Tensor):
-        raise PagesUnavailable(f"a value of type {type(value).__name__}, not a tensor")
-    return bytes(value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _setup_logging(level: str) -> None:
