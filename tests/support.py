@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import random
 import re
@@ -17,8 +18,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -248,3 +251,39 @@ def documented_metrics() -> dict[str, str]:
     """docs/metrics.md's reference tables: series name -> type."""
     row = re.compile(r"^\| `([a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.M)
     return dict(row.findall(METRICS_DOC.read_text()))
+
+
+class EngineVenv:
+    """An engine's tests (tests/e2e/<engine>/) need the real engine, in a venv of its
+    own that ``make <engine>`` makes: it runs them with ``env``=1, under which an
+    engine that does not import, or any skipped test, is a failure (a broken venv
+    must not pass as skips). The main venv's pytest skips them. A conftest binds
+    the hooks: ``pytest_runtest_makereport = venv.runtest_makereport`` and
+    ``pytest_collectreport = venv.collectreport``."""
+
+    def __init__(self, env: str, engine: str, module: str = "", target: str = "") -> None:
+        self.env = env
+        self.required = os.environ.get(env) == "1"
+        # Not just find_spec(module): the engine's test folder is itself a namespace
+        # package of that name. Without a module, only the skips are checked.
+        spec = importlib.util.find_spec(module) if module else None
+        self.present = spec is not None and spec.origin is not None
+        if module and self.required and not self.present:
+            raise RuntimeError(
+                f"{env}=1 but {engine} is not importable: run `make {target}` "
+                f"(it makes .venv-{target})"
+            )
+
+    @pytest.hookimpl(hookwrapper=True)
+    def runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+        """Under ``env``=1 a skipped test is a failed one."""
+        outcome = yield
+        report = outcome.get_result()
+        if self.required and report.skipped:
+            report.outcome = "failed"
+            report.longrepr = f"skipped under {self.env}=1: {report.longrepr}"
+
+    def collectreport(self, report: pytest.CollectReport) -> None:
+        """A module skipped at collection (no engine) fails too under ``env``=1."""
+        if self.required and report.skipped:
+            report.outcome = "failed"

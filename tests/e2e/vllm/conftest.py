@@ -5,7 +5,6 @@ The main venv's pytest skips its modules (``pytest.importorskip("vllm")``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -16,16 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from support import EngineVenv
 
-REQUIRED = os.environ.get("KVSVC_VLLM_REQUIRED") == "1"
-# Not just find_spec("vllm"): this folder itself is a namespace package "vllm".
-_spec = importlib.util.find_spec("vllm")
-HAVE_VLLM = _spec is not None and _spec.origin is not None
-
-if not HAVE_VLLM and REQUIRED:
-    raise RuntimeError(
-        "KVSVC_VLLM_REQUIRED=1 but vLLM is not importable: run `make vllm` (it makes .venv-vllm)"
-    )
+VENV = EngineVenv("KVSVC_VLLM_REQUIRED", "vLLM", module="vllm", target="vllm")
+HAVE_VLLM = VENV.present
+pytest_runtest_makereport = VENV.runtest_makereport
+pytest_collectreport = VENV.collectreport
 # check_vllm.sh runs test_tier.py again with vLLM 0.33 first on PYTHONPATH: it says so.
 EXPECT = os.environ.get("KVSVC_VLLM_EXPECT", "")
 if EXPECT and HAVE_VLLM:
@@ -33,22 +28,6 @@ if EXPECT and HAVE_VLLM:
 
     if not str(vllm.__version__).startswith(EXPECT + "."):
         raise RuntimeError(f"KVSVC_VLLM_EXPECT={EXPECT} but vLLM {vllm.__version__} imported")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
-    """Under KVSVC_VLLM_REQUIRED=1 a skipped test is a failed one."""
-    outcome = yield
-    report = outcome.get_result()
-    if REQUIRED and report.skipped:
-        report.outcome = "failed"
-        report.longrepr = f"skipped under KVSVC_VLLM_REQUIRED=1: {report.longrepr}"
-
-
-def pytest_collectreport(report: pytest.CollectReport) -> None:
-    """A module skipped at collection (no vLLM) fails too under KVSVC_VLLM_REQUIRED=1."""
-    if REQUIRED and report.skipped:
-        report.outcome = "failed"
 
 
 @pytest.fixture(scope="module")
