@@ -31,26 +31,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(port: int, spec: str) -> list[str]:
+def server_command(port: int, spec: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """``extra``: more of the server's flags (``--shm-name NAME``: its L1 arena in a
+    shared file, which the adapter copies in place)."""
     return [
         sys.executable, "-m", "lmcache.v1.multiprocess.server",
         "--host", "127.0.0.1", "--port", str(port),
         "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
         "--supported-transfer-mode", "engine_driven",
-        "--disable-metrics", "--l2-adapter", spec,
+        "--disable-metrics", "--l2-adapter", spec, *extra,
     ]  # fmt: skip
 
 
 class Node:
     """One LMCache server process and its engine worker (started by ``start``)."""
 
-    def __init__(self, name: str, spec: str, logs: Path) -> None:
+    def __init__(self, name: str, spec: str, logs: Path, extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.port = free_port()
         self.log_path = logs / f"lmcache-{name}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            server_command(self.port, spec),
+            server_command(self.port, spec, extra),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **ENV},

@@ -1,7 +1,9 @@
 """The real LMCache 0.5.6 multiprocess server with the kvsvc adapter on its command
 line, driven by LMCache's own MP client and CPU worker transfer path: one node
 stores, a second node (another LMCache server, empty L1) loads the same prefix from
-kvsvc bit-exact; kvsvc killed, stopped and restarted under both running servers:
+kvsvc bit-exact (node a's L1 is anonymous memory: the adapter's staging path; node
+b's is a shared file, ``--shm-name``: kvsvc copies into its L1 objects in place);
+kvsvc killed, stopped and restarted under both running servers:
 misses, then hits again, no stuck request, the servers alive throughout."""
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     holder = {"kvsvc": ServerProcess(shm, "--store-bytes", "128M", port=port)}
     spec = plugin_spec(f"127.0.0.1:{port}", staging_mib=4, load_timeout_s=3.0, store_timeout_s=3.0)
     logs = tmp_path_factory.mktemp("logs")
-    a, b = Node("a", spec, logs), Node("b", spec, logs)
+    shm_name = ("--shm-name", f"kvsvc_test_{port}")
+    a, b = Node("a", spec, logs), Node("b", spec, logs, shm_name)
     try:
         a.start()
         b.start()
@@ -69,6 +72,10 @@ def test_a_second_node_loads_the_prefix_from_kvsvc(cluster: Any) -> None:
         time.sleep(0.3)
     assert b.retrieve(t, dst, "r1")
     assert same(b.blocks_bytes(dst), a.blocks_bytes(src))
+    # Each server's log names its adapter's data path, and why not direct.
+    logs = {n.name: n.log_path.read_text(errors="replace") for n in (a, b)}
+    assert "data path: staging" in logs["a"] and "--shm-name" in logs["a"], logs["a"][-4000:]
+    assert "data path: direct" in logs["b"], logs["b"][-4000:]
     # Another cache salt is another namespace: nothing found.
     assert b.prefetch(t, "p1-salted", salt="tenant-b") == 0
 
