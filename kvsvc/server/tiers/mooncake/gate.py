@@ -77,11 +77,14 @@ class Gate:
         fn: Callable[[Any], T],
         budget: float,
         late: Callable[[], None] | None = None,
+        *,
+        capped: bool = True,
     ) -> T:
         """``fn(client)`` on a Mooncake thread within ``budget`` s (and
-        --mooncake-timeout). Raises Failed(kind), counted here. ``late`` runs on
-        the loop once a call given up on has ended (whatever it was given to fill
-        is free only then)."""
+        --mooncake-timeout unless not ``capped``: a call the master may take long
+        over, DropNamespace's scan). Raises Failed(kind), counted here. ``late``
+        runs on the loop once a call given up on has ended (whatever it was given
+        to fill is free only then)."""
         if self.closed:
             raise Failed(CLOSING)
         if self.inflight >= THREADS:
@@ -97,9 +100,10 @@ class Gate:
         self.inflight += 1
         fut = asyncio.wrap_future(work, loop=self.loop)
         fut.add_done_callback(self._ended)
-        cut = budget < self.timeout  # the caller's budget ends first
+        cut = budget < self.timeout or not capped  # the caller's budget ends first
+        wait = min(budget, self.timeout) if capped else budget
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, min(budget, self.timeout)))
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, wait))
         except TimeoutError:
             if late is not None:
                 fut.add_done_callback(lambda _: late())

@@ -8,6 +8,7 @@ call given up on (the budget) frees its chunks only once it ended."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field
@@ -18,21 +19,26 @@ from kvsvc.server.tiers.mooncake.client import (
     FAILURES,
     HEADER_SLOT_BYTES,
     NOT_FOUND,
+    TIMEOUT,
     Failed,
     code_kind,
     warn,
 )
-from kvsvc.server.tiers.mooncake.gate import Gate
+from kvsvc.server.tiers.mooncake.gate import BUDGET, Gate
 from kvsvc.server.tiers.mooncake.values import (
+    BAD_HEADER,
     Rejected,
     chunk_bytes,
-    head_bytes,
     key_name,
     verify,
 )
 
 #: keys one Retrieve asks Mooncake for at most (the rest: the next Retrieve)
 LOAD_MAX = 64
+#: a load of this many bytes or more is read by two calls at once
+SPLIT_BYTES = 16 << 20
+#: a value whose call failed (counted by the gate), or was given up on
+_FAILED, _LATE = "failed", "late"
 
 
 @dataclass
@@ -85,15 +91,14 @@ class Reads:
             g.add(misses=len(wanted))
             return []
         job = _Load(namespace, layout, [], [])
-        for key, name, total in zip(wanted, names, sizes, strict=True):
-            try:
-                size = chunk_bytes(name, layout, total) if total >= 0 else -1
-            except Rejected as exc:
-                g.count(g.rejected, exc.kind)
-                size = -1
-            if size < 0 or head_bytes(name, layout, size) > HEADER_SLOT_BYTES:
+        for key, total in zip(wanted, sizes, strict=True):
+            if total < 0:  # not there
                 break
-            job.names.append(name)
+            size = chunk_bytes(total, layout)  # 0: no chunk of this layout fits
+            if size == 0 or total - size > HEADER_SLOT_BYTES:
+                g.count(g.rejected, BAD_HEADER)
+                break
+            job.names.append(names[len(job.keys)])
             job.keys.append(key)
             job.sizes.append(size)
             job.heads.append(total - size)
@@ -126,46 +131,14 @@ class Reads:
         return True
 
     async def _get(self, job: _Load, deadline: float) -> list[Chunk]:
-        g = self.gate
-        store, headers = self.store, self.headers
-        views = [store.buffer(c) for c in job.chunks]
-
-        def get(client: object) -> list[list[int] | str]:
-            got = client.batch_get_into_multi_buffers(  # type: ignore[attr-defined]
-                job.names,
-                [[headers.addr(s), v.addr] for s, v in zip(job.slots, views, strict=True)],
-                [[h, c.size] for h, c in zip(job.heads, job.chunks, strict=True)],
-            )
-            out: list[list[int] | str] = []
-            for i, rc in enumerate(got):
-                chunk, head = job.chunks[i], job.heads[i]
-                if rc != head + chunk.size:
-                    out.append(code_kind(rc) if rc < 0 else "truncated")
-                    continue
-                try:
-                    out.append(
-                        verify(
-                            job.names[i],
-                            job.layout,
-                            headers.slot(job.slots[i], head),
-                            views[i].view,
-                            views[i].addr,
-                        )
-                    )
-                except Rejected as exc:
-                    out.append("rejected:" + exc.kind)
-            return _judged(out)
-
-        def free() -> None:
-            for chunk in job.chunks:
-                store.abort(chunk)
-            headers.give(job.slots)
-
-        try:
-            results = await g.run(get, deadline - time.monotonic(), late=free)
-        except Failed:
-            g.add(misses=len(job.chunks))
-            return []
+        """Read the job's values, in two calls at once when they are large (one
+        thread's transfer beside the other's checksums), and commit the prefix."""
+        g, store = self.gate, self.store
+        n = len(job.chunks)
+        halves = n > 1 and sum(job.sizes) >= SPLIT_BYTES
+        bounds = [(0, n // 2), (n // 2, n)] if halves else [(0, n)]
+        parts = await asyncio.gather(*(self._part(job, lo, hi, deadline) for lo, hi in bounds))
+        results = [r for part in parts for r in part]
         pinned: list[Chunk] = []
         ok = True
         for chunk, result in zip(job.chunks, results, strict=True):
@@ -177,15 +150,55 @@ class Reads:
                 continue
             ok = False
             g.add(misses=1)
-            if isinstance(result, str):
+            if result == _LATE:  # freed once its call ends
+                continue
+            if isinstance(result, str) and result != _FAILED:
                 if result.startswith("rejected:"):
                     g.count(g.rejected, result.removeprefix("rejected:"))
                     warn.warning("mooncake tier: a value was refused (%s): a miss", result)
                 elif result != NOT_FOUND:
                     g.count(g.errors, result)
             store.abort(chunk)
-        headers.give(job.slots)
+        self.headers.give([s for s, r in zip(job.slots, results, strict=True) if r != _LATE])
         return pinned
+
+    async def _part(self, job: _Load, lo: int, hi: int, deadline: float) -> list[list[int] | str]:
+        """Values ``lo:hi`` of the job read and checked on a Mooncake thread: each
+        its digests or why not (_LATE: given up on, its chunk freed when the call
+        ends)."""
+        store, headers = self.store, self.headers
+        names, slots, heads = job.names[lo:hi], job.slots[lo:hi], job.heads[lo:hi]
+        chunks = job.chunks[lo:hi]
+        views = [store.buffer(c) for c in chunks]
+
+        def get(client: object) -> list[list[int] | str]:
+            got = client.batch_get_into_multi_buffers(  # type: ignore[attr-defined]
+                names,
+                [[headers.addr(s), v.addr] for s, v in zip(slots, views, strict=True)],
+                [[h, c.size] for h, c in zip(heads, chunks, strict=True)],
+            )
+            out: list[list[int] | str] = []
+            for i, rc in enumerate(got):
+                if rc != heads[i] + chunks[i].size:
+                    out.append(code_kind(rc) if rc < 0 else "truncated")
+                    continue
+                try:
+                    slot = headers.slot(slots[i], heads[i])
+                    out.append(verify(names[i], job.layout, slot, views[i].view, views[i].addr))
+                except Rejected as exc:
+                    out.append("rejected:" + exc.kind)
+            return _judged(out)
+
+        def free() -> None:
+            for chunk in chunks:
+                store.abort(chunk)
+            headers.give(slots)
+
+        try:
+            return await self.gate.run(get, deadline - time.monotonic(), late=free)
+        except Failed as exc:
+            late = exc.kind in (TIMEOUT, BUDGET)  # the call goes on: free() once it ends
+            return [_LATE if late else _FAILED] * len(chunks)
 
 
 def _judged(out: list[list[int] | str]) -> list[list[int] | str]:

@@ -180,7 +180,7 @@ class MooncakeTier(Tier):
             return n
 
         try:
-            n = await g.run(remove, max(budget, 0.0))
+            n = await g.run(remove, max(budget, 0.0), capped=False)
         except Failed:
             n = -1
         if n >= 0:

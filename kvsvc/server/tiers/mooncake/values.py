@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 
-from kvsvc.server.data.copies import segment_count
 from kvsvc.server.tiers.s3.objects import (
     BAD_HEADER,
     TRUNCATED,
     Rejected,
+    chunk_bytes,
     header,
     namespace_prefix,
     object_name,
@@ -23,10 +23,10 @@ from kvsvc.server.tiers.s3.objects import (
 )
 
 __all__ = [
+    "BAD_HEADER",
     "Rejected",
     "chunk_bytes",
     "drop_pattern",
-    "head_bytes",
     "header",
     "key_name",
     "verify",
@@ -45,25 +45,6 @@ def key_name(prefix: str, namespace: str, layout: str, key: bytes) -> str:
 def drop_pattern(prefix: str, namespace: str) -> str:
     """A regular expression matching every key of ``namespace`` (and no other)."""
     return "^" + _SPECIAL.sub(r"\\\1", namespace_prefix(prefix, namespace))
-
-
-def head_bytes(name: str, layout: str, size: int) -> int:
-    """The header's length for a chunk of ``size`` bytes under ``name``."""
-    return len(header(name, layout, size, [0] * segment_count(size)))
-
-
-def chunk_bytes(name: str, layout: str, total: int) -> int:
-    """The chunk's size in a value of ``total`` bytes (the header's length
-    depends on it: a few rounds find it). Rejected when no size fits."""
-    size = total - head_bytes(name, layout, 0)
-    for _ in range(4):
-        if size < 0:
-            raise Rejected(TRUNCATED)
-        fit = total - head_bytes(name, layout, size)
-        if fit == size:
-            return size
-        size = fit
-    raise Rejected(BAD_HEADER)
 
 
 def verify(name: str, layout: str, head: memoryview, chunk: memoryview, addr: int) -> list[int]:
