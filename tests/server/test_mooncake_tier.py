@@ -108,7 +108,8 @@ def test_in_a_network_namespace(tmp_path: Path) -> None:
     suite = ET.parse(report).getroot().find("testsuite")
     assert suite is not None
     ran = int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
-    assert ran >= 8, run.stdout[-3000:]  # the one outer skip is this test itself
+    # the three scenarios and the three contract tests (the one skip is this test itself)
+    assert ran >= 6, run.stdout[-3000:]
 
 
 @pytest.fixture(autouse=True)
