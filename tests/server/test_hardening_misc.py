@@ -34,8 +34,9 @@ from kvsvc.errors import (
 )
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.ops import health as health_module
-from kvsvc.server.ops.health import SERVICE_NAME, Watchdog
+from kvsvc.server.ops.health import SERVICE_NAME
 from kvsvc.server.ops.lifecycle import Server
+from kvsvc.server.ops.watchdog import Watchdog
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 pytestmark = pytest.mark.slow  # starts servers or subprocesses

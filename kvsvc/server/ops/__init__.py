@@ -1,3 +1,3 @@
 """Operating the server: its life (``lifecycle``: start, signals, drain),
-health (``health``), Prometheus metrics (``metrics``) and fault injection
-(``failpoints``)."""
+health (``health``) and the watchdog that fails it (``watchdog``), Prometheus
+metrics (``metrics``) and fault injection (``failpoints``)."""

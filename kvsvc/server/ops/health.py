@@ -1,8 +1,8 @@
 """Health that tells the truth: grpc.health.v1 answered from the event loop on the
 main port (so a stuck loop cannot look healthy: its Check times out), and from
 threads on the --health-listen port (so a stuck loop is answered NOT_SERVING:
-the watchdog thread flips it without the loop); flipped to NOT_SERVING by a
-fatal failure and kept there until restart."""
+the watchdog thread, kvsvc.server.ops.watchdog, flips it without the loop);
+flipped to NOT_SERVING by a fatal failure and kept there until restart."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import AsyncIterator, Iterator
+from typing import TypeAlias
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvsvc.errors import FatalServerError, KVServiceError, ServiceNotServing, Unparsed
-
-if TYPE_CHECKING:
-    from kvsvc.server.data.engine import TransferEngine
+from kvsvc.errors import ServiceNotServing, Unparsed
 
 SERVICE_NAME = "kvsvc.v1.KVCacheService"
 NAMES = ("", SERVICE_NAME)
@@ -355,99 +352,3 @@ class Health:
             raise ServiceNotServing(
                 "this instance is shutting down", metadata={"failureReason": "SHUTTING_DOWN"}
             )
-
-
-class Watchdog:
-    """A thread (not the event loop, which it watches) that declares the server
-    stalled when a copy runs past ``stall_timeout``, a copy worker is dead, or the
-    loop misses its heartbeat. A polling deadline on the client cannot see a
-    worker that is stuck rather than failed; this can.
-
-    Its verdict goes to ``on_fatal`` (which hands it to the loop) and, without the
-    loop, to ``health`` (:meth:`Health.fatal_from_thread`): a hung loop would never
-    run what ``on_fatal`` queued, yet the health port must say NOT_SERVING."""
-
-    PERIOD_S = 0.02
-    #: How long ``stop`` waits for the thread; a check takes microseconds.
-    STOP_JOIN_S = 5.0
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        engine: TransferEngine,
-        stall_timeout: float,
-        on_fatal: Callable[[KVServiceError], None],
-        health: Health | None = None,
-    ) -> None:
-        self.loop = loop
-        self.health = health
-        self.engine = engine
-        self.stall_timeout = stall_timeout
-        self.on_fatal = on_fatal
-        self.beat = time.monotonic()
-        self._stop = threading.Event()
-        # Held for a whole check-and-report, so once ``stop`` has taken it no verdict
-        # can follow (a shutdown that stops the workers next must not read as a death).
-        self._lock = threading.Lock()
-        self._workers = engine.workers_alive()
-        self._thread = threading.Thread(target=self._run, name="kvsvc-watchdog", daemon=True)
-        self._beat_task: asyncio.Task[None] | None = None
-
-    async def _heartbeat(self) -> None:
-        while True:
-            self.beat = time.monotonic()
-            await asyncio.sleep(self.PERIOD_S)
-
-    def start(self) -> None:
-        self._beat_task = self.loop.create_task(self._heartbeat())
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop watching, for good, before what it watches is torn down: after this
-        returns no verdict is reported, and the thread has ended (bounded wait)."""
-        with self._lock:
-            self._stop.set()
-        if self._beat_task is not None:
-            self._beat_task.cancel()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.STOP_JOIN_S)
-            if self._thread.is_alive():  # pragma: no cover - it only waits on the event
-                log.warning("watchdog thread still running %.0f s after stop", self.STOP_JOIN_S)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                exc = self.check()
-                if exc is None:
-                    continue
-                log.critical("watchdog: %s", exc.message)
-                try:
-                    self.on_fatal(exc)  # queued copies stop starting at once, then the loop
-                except RuntimeError as err:  # the loop closed under us: nobody to tell
-                    log.warning("watchdog verdict not delivered: %s", err)
-                if self.health is not None:  # not through the loop, which may hang
-                    self.health.fatal_from_thread(exc.reason, exc.message)
-                return
-
-    def check(self) -> KVServiceError | None:
-        now = time.monotonic()
-        stalled = self.engine.stalled(self.stall_timeout)
-        if stalled:
-            thread, tid, seconds = stalled[0]
-            return FatalServerError(
-                f"copy {tid} on {thread} has run {seconds:.1f} s, "
-                f"past the {self.stall_timeout:g} s stall timeout",
-                reason="TRANSFER_STALLED",
-                metadata={"transferId": tid, "thread": thread, "stallTimeoutS": self.stall_timeout},
-            )
-        if self.engine.workers_alive() < self._workers:
-            return FatalServerError("a transfer worker thread died", reason="TRANSFER_WORKER_DIED")
-        if now - self.beat > self.stall_timeout:
-            return FatalServerError(
-                f"the event loop missed its heartbeat for {now - self.beat:.1f} s",
-                reason="EVENT_LOOP_STALLED",
-                metadata={"stalledS": f"{now - self.beat:.1f}"},
-            )
-        return None

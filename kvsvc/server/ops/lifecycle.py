@@ -26,7 +26,8 @@ from kvsvc.server.config import ConfigError, ServerConfig, grpc_socket, socket_g
 from kvsvc.server.config.host import metrics_address
 from kvsvc.server.data import fdsocket
 from kvsvc.server.data.copies import copy_loop
-from kvsvc.server.ops.health import Health, Watchdog
+from kvsvc.server.ops.health import Health
+from kvsvc.server.ops.watchdog import Watchdog
 from kvsvc.server.rpc.servicer import KVCacheServicer
 from kvsvc.server.security.auth import Authenticator, AuthInterceptor, TenantFileError
 from kvsvc.v1 import kv_cache_service_pb2 as pb
