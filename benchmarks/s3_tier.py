@@ -90,10 +90,10 @@ def node(
     server = KvsvcServer(store_bytes=store, shm_dir=str(tmp), extra_args=args)
     if profile is not None and spies is not None:  # it ends with the server it records
         profile.mkdir(parents=True, exist_ok=True)
-        out = profile / f"kvsvc-{server.pid}.svg"
+        out = profile / f"kvsvc-{server.pid}.txt"
         spies.append(subprocess.Popen(
             [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(server.pid),
-             "--threads", "--rate", "200", "--output", str(out)],
+             "--threads", "--rate", "200", "--format", "raw", "--output", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         ))  # fmt: skip
     return server
