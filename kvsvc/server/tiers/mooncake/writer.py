@@ -20,12 +20,21 @@ import threading
 from typing import Any
 
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
-from kvsvc.server.tiers.mooncake.client import CLOSING, FAILURES, Failed, code_kind, log
+from kvsvc.server.tiers.mooncake.client import (
+    CLOSING,
+    FAILURES,
+    HEADER_SLOT_BYTES,
+    Failed,
+    code_kind,
+    log,
+)
 from kvsvc.server.tiers.mooncake.gate import Gate
 from kvsvc.server.tiers.mooncake.values import header, key_name
 
 #: chunks one put call carries at most
 BATCH = 16
+#: a header larger than a registered slot (a layout name of kilobytes): not written
+TOO_LARGE = "too_large"
 #: keys this server remembers Mooncake holding (its writes and reads), and keys
 #: whose newest version it failed to write; beyond, the oldest are forgotten
 KNOWN_MAX = 1 << 20
@@ -155,8 +164,8 @@ class Writer:
             return
         try:
             self._put(chunks, replaced, slots)
-        except Failed as exc:
-            self._skip(chunks, "unavailable" if exc.kind != CLOSING else CLOSING)
+        except Failed as exc:  # Mooncake failing or refused (breaker): "unavailable"
+            self._skip(chunks, exc.kind if exc.kind in (CLOSING, TOO_LARGE) else "unavailable")
         finally:
             headers.give(slots)
 
@@ -168,8 +177,8 @@ class Writer:
             namespace, key, layout = chunk.key
             name = key_name(self.prefix, namespace, layout, key)
             head = header(name, layout, chunk.size, chunk.digests)
-            if len(head) > len(headers.slot(slot, len(head))):
-                raise Failed("too_large")
+            if len(head) > HEADER_SLOT_BYTES:
+                raise Failed(TOO_LARGE)
             headers.slot(slot, len(head))[:] = head
             names.append(name)
             ptrs.append([headers.addr(slot), self.store.base + chunk.offset])
