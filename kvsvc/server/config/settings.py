@@ -136,8 +136,7 @@ class DataPlaneSettings:
 
 @dataclass(frozen=True)
 class TierSettings:
-    """The tiers behind the memory store: local disk, then the shared tiers (Redis, S3,
-    Mooncake Store)."""
+    """The tiers behind the memory store: local disk, then the shared ones (Redis, Mooncake, S3)."""
 
     remote: str = setting(
         "off",
