@@ -17,6 +17,8 @@ One job per module:
 - ``tier``: DiskTier, what the servicer calls (the store's listener, Lookup's and
   Retrieve's view) and its life.
 - ``capacity``: --disk-capacity's accounting, and which files go to make room.
+- ``loads``: Retrieve's loads back into the store, within the caller's budget.
+- ``stats``: the tier's counters.
 - ``format``: the file format (header, CRC-32C, file names).
 - ``index``: what the disk holds, rebuilt at start; quarantine.
 - ``writer``: the bounded write-behind queue and its thread.
@@ -28,6 +30,7 @@ One job per module:
 
 from __future__ import annotations
 
-from kvsvc.server.tiers.disk.tier import DiskStats, DiskTier
+from kvsvc.server.tiers.disk.stats import DiskStats
+from kvsvc.server.tiers.disk.tier import DiskTier
 
 __all__ = ["DiskStats", "DiskTier"]

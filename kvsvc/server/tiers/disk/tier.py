@@ -28,7 +28,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvsvc.server.config import ConfigError, ServerConfig, check_disk_dir
@@ -38,8 +37,10 @@ from kvsvc.server.tiers.disk.capacity import Capacity
 from kvsvc.server.tiers.disk.format import encode_header, file_name, fingerprint
 from kvsvc.server.tiers.disk.heal import DOWN_REASONS, WriteHealth
 from kvsvc.server.tiers.disk.index import Entry, Index, Rebuilt, prepare, quarantine, rebuild
+from kvsvc.server.tiers.disk.loads import Loads
 from kvsvc.server.tiers.disk.owed import OwedRecord
-from kvsvc.server.tiers.disk.reader import Job, Outcome, Reader
+from kvsvc.server.tiers.disk.reader import Reader
+from kvsvc.server.tiers.disk.stats import DiskStats
 from kvsvc.server.tiers.disk.writer import Write, Writer, failure
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
@@ -63,29 +64,6 @@ class EventSink(Protocol):
     def list_tier(
         self, tier: int, contents: Callable[[], Iterator[tuple[ChunkKey, int]]]
     ) -> None: ...
-
-
-@dataclass
-class DiskStats:
-    """The tier's counters (read by tests and metrics)."""
-
-    writes: int = 0
-    bytes_written: int = 0
-    skipped_full: int = 0  # ENOSPC / EDQUOT: the write was skipped
-    skipped_queue: int = 0  # the write-behind queue was full
-    skipped_capacity: int = 0  # does not fit --disk-capacity (the rest: writes landing)
-    replaced: int = 0  # files (or writes) dropped because a Store brought other bytes
-    durable_late: int = 0  # --disk-sync Stores that replied before their chunks were durable
-    write_errors: int = 0
-    evicted: int = 0  # files removed for room
-    hits: int = 0  # chunks loaded back into memory
-    bytes_read: int = 0
-    misses: int = 0  # chunks the disk listed and could not give back
-    load_refused: int = 0  # no room in memory to load into
-    load_late: int = 0  # loads that ended after their caller's budget
-    refused: dict[str, int] = field(default_factory=dict)  # files that did not check, by kind
-    index_seconds: float = 0.0
-    indexed_chunks: int = 0
 
 
 class DiskTier(Tier):
@@ -137,6 +115,7 @@ class DiskTier(Tier):
         #: the removals owed, where a restart finds them (kvsvc.server.tiers.disk.owed)
         self.owed_record = OwedRecord(self.root, config.data.shm_dir)
         self.reader = Reader(self.root, store, loop)
+        self.loads = Loads(store, loop, self.reader, self.stats, self._touch, self._drop)
 
     # --- life ---
     def start(self, ready: Callable[[], None]) -> None:
@@ -510,57 +489,11 @@ class DiskTier(Tier):
             todo.append((key, entry))
         if not todo:
             return []
-        jobs = self.reader.reserve(namespace, layout, todo)
-        if jobs is None:
-            self.stats.load_refused += 1
-            return []
-        state = {"waiting": True}
-        settled: asyncio.Future[list[Chunk]] = self.loop.create_future()
+        return await self.loads.pinned(namespace, layout, todo, budget)
 
-        def done(read: asyncio.Future[list[Outcome]]) -> None:
-            outcomes: list[Outcome] = []
-            if read.cancelled():
-                pass
-            elif read.exception() is not None:
-                log.error("disk tier: a load failed", exc_info=read.exception())
-            else:
-                outcomes = read.result()
-            settled.set_result(self._settle(jobs, outcomes, pin=state["waiting"]))
-
-        self.reader.read(jobs).add_done_callback(done)
-        try:
-            return await asyncio.wait_for(asyncio.shield(settled), max(budget, 0.0))
-        except BaseException as exc:
-            state["waiting"] = False
-            if settled.done():  # pinned for a caller that is gone
-                self.store.release(settled.result())
-            if isinstance(exc, TimeoutError):
-                self.stats.load_late += 1
-                return []
-            raise
-
-    def _settle(self, jobs: list[Job], outcomes: list[Outcome], *, pin: bool) -> list[Chunk]:
-        """Commit the loaded chunks in key order up to the first failure, free the
-        rest; forget (and quarantine) the files that failed."""
-        committed: list[Chunk] = []
-        ok = True
-        for i, job in enumerate(jobs):
-            chunk = job.chunk
-            digests, kind = outcomes[i] if i < len(outcomes) else (None, None)
-            if ok and digests is not None:
-                if self.store.commit(chunk, digests):  # else: another call's is there
-                    self.stats.hits += 1
-                    self.stats.bytes_read += chunk.size
-                    if pin:
-                        chunk.readers += 1
-                        committed.append(chunk)
-                self.index.touch(chunk.key)
-                continue
-            ok = False
-            self.store.abort(chunk)
-            if kind is not None:
-                self._drop(chunk.key, job.entry, kind)
-        return committed
+    def _touch(self, key: ChunkKey) -> None:
+        """A chunk loaded back: its file is the most recently used."""
+        self.index.touch(key)
 
     def _drop(self, key: ChunkKey, entry: Entry, kind: str) -> None:
         """A file that could not be read back: a miss, forgotten; quarantined unless
