@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -108,8 +109,8 @@ def test_in_a_network_namespace(tmp_path: Path) -> None:
     suite = ET.parse(report).getroot().find("testsuite")
     assert suite is not None
     ran = int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
-    # the three scenarios and the three contract tests (the one skip is this test itself)
-    assert ran >= 6, run.stdout[-3000:]
+    # the four scenarios and the three contract tests (the one skip is this test itself)
+    assert ran >= 7, run.stdout[-3000:]
 
 
 @pytest.fixture(autouse=True)
@@ -359,3 +360,52 @@ def test_the_peer_holding_the_data_killed_mid_load(master, server, process) -> N
         assert time.monotonic() - t0 < 3 * DEADLINE_S
         assert cb.put(NS, items(1, b"still")).stored_chunks == 1
     assert health_status(b.address) == SERVING
+
+
+def test_a_master_that_stops_answering_never_piles_up_calls(master, server) -> None:
+    """The master stopped (SIGSTOP: every call waits on it): each Retrieve is a miss
+    within about --mooncake-timeout, never more calls inside Mooncake than the
+    tier's threads, and it heals once the master answers again."""
+    from kvsvc.server.tiers.mooncake.gate import THREADS
+
+    b = server("b", **master.settings(HOST_B))
+    data = dict(items(4, b"z"))
+    with KVCacheClient(b.address) as cb:
+        cb.put(NS, list(data.items()))
+        wait_until("written", lambda: series(b, "kvsvc_tier_written_chunks_total") == 4)
+        forget_in_memory(b)
+        assert master.proc is not None
+        master.proc.send_signal(signal.SIGSTOP)
+        try:
+            most = 0.0
+
+            def one(key: bytes) -> float:
+                t0 = time.monotonic()
+                with pytest.raises(Miss):
+                    cb.get(NS, key, timeout=DEADLINE_S)
+                return time.monotonic() - t0
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                work = [pool.submit(one, k) for _ in range(3) for k in data]
+                while not all(f.done() for f in work):
+                    most = max(most, series(b, "kvsvc_mooncake_calls_in_flight"))
+                    time.sleep(0.01)
+                took = [f.result() for f in work]
+            # two Mooncake calls per load at most, each cut at CALL_S; generous margin
+            assert max(took) < 2 * CALL_S + 3.0, took
+            assert most <= THREADS
+            assert series(b, "kvsvc_mooncake_errors_total", kind="busy") + series(
+                b, "kvsvc_mooncake_errors_total", kind="breaker_open"
+            ) > 0  # fmt: skip
+            assert health_status(b.address) == SERVING
+        finally:
+            master.proc.send_signal(signal.SIGCONT)
+
+        def loads() -> bool:
+            forget_in_memory(b)
+            try:
+                return cb.get(NS, b"z-0", timeout=DEADLINE_S) == data[b"z-0"]
+            except Miss:
+                return False
+
+        wait_until("it heals once the master answers", loads, 30)
