@@ -25,6 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mooncake_servers import CALL_S, HOST_A, HOST_B, NETNS_SETUP, Master, mooncake_missing, required
@@ -45,6 +46,7 @@ from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.store import INLINE_LAYOUT
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -247,6 +249,16 @@ def gets_during(
     return out
 
 
+def listed(st: ServerThread) -> set[bytes]:
+    """The keys ``st``'s events log lists in TIER_MOONCAKE (a snapshot's)."""
+
+    async def snapshot() -> Any:
+        return st.server.servicer.events.snapshot()
+
+    _, _, below = st.run(snapshot())
+    return {key[1] for tier, keys in below if tier == pb.TIER_MOONCAKE for key, _ in keys}
+
+
 def forget_in_memory(st: ServerThread) -> None:
     async def drop() -> None:
         st.server.servicer.store.drop_namespace(NS)
@@ -266,6 +278,10 @@ def test_two_servers_share_chunks_and_a_forged_value_is_a_miss(master, server, t
         for key, value in data.items():
             assert cb.get(NS, key, timeout=DEADLINE_S) == value
         assert series(b, "kvsvc_tier_hits_total", tier="mooncake") == len(data)
+        # What each knows Mooncake holds is its TIER_MOONCAKE listing (WatchEvents'
+        # snapshots, the presence index): A's writes, B's reads.
+        wait_until("A lists its writes", lambda: listed(a) == set(data))
+        assert listed(b) == set(data)
         assert series(b, "kvsvc_tier_written_chunks_total", tier="mooncake") == 0  # not back
 
         # A value under a kvsvc key that is not that chunk: never loaded.

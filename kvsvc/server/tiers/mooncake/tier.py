@@ -45,7 +45,7 @@ class MooncakeTier(Tier):
         self.lookup_budget = t.mooncake_lookup_budget
         self.connection = Connection(config, store)
         self.gate = Gate(config, self.connection, loop)
-        self.known = Known()
+        self.known = Known(events)
         self.reads = Reads(self.gate, store, self.prefix)
         self.writer = Writer(
             self.gate, store, loop, self.known, self.prefix, t.mooncake_queue_bytes
@@ -153,7 +153,7 @@ class MooncakeTier(Tier):
         loaded = await self.reads.load(namespace, layout, keys, budget, self.known.stale)
         if loaded:
             for chunk in loaded:
-                self.known.remember(chunk.key, version(chunk))
+                self.known.remember(chunk.key, version(chunk), chunk.size)
             try:
                 committed()  # the caller pins its prefix while these are pinned here
             finally:

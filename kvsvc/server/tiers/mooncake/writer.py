@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from kvsvc.server.data.store import Chunk, ChunkKey, ChunkStore
+from kvsvc.server.events import EventLog
 from kvsvc.server.tiers.mooncake.client import (
     CLOSING,
     FAILURES,
@@ -30,6 +31,7 @@ from kvsvc.server.tiers.mooncake.client import (
 )
 from kvsvc.server.tiers.mooncake.gate import Gate
 from kvsvc.server.tiers.mooncake.values import header, key_name
+from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 #: chunks one put call carries at most
 BATCH = 16
@@ -47,29 +49,56 @@ def version(chunk: Chunk) -> int:
 
 class Known:
     """What Mooncake holds as far as this server knows (on the loop): a hint,
-    since Mooncake evicts on its own."""
+    since Mooncake evicts on its own. Each key joining or leaving it is a
+    TIER_MOONCAKE stored/removed event (WatchEvents, the presence index)."""
 
-    def __init__(self) -> None:
-        self.versions: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+    def __init__(self, events: EventLog | None) -> None:
+        #: key -> (version, the chunk's bytes)
+        self.versions: collections.OrderedDict[ChunkKey, tuple[int, int]] = (
+            collections.OrderedDict()
+        )
         self.stale: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
+        self.events = events
+        if events is not None:
+            events.list_tier(
+                pb.TIER_MOONCAKE, lambda: ((k, v[1]) for k, v in self.versions.items())
+            )
 
-    def remember(self, key: ChunkKey, v: int) -> None:
+    def remember(self, key: ChunkKey, v: int, nbytes: int) -> None:
         self.stale.pop(key, None)
-        self.versions[key] = v
+        fresh = key not in self.versions
+        self.versions[key] = (v, nbytes)
         self.versions.move_to_end(key)
+        if fresh and self.events is not None:
+            self.events.stored(key[0], (key[1],), key[2], nbytes, pb.TIER_MOONCAKE)
         if len(self.versions) > KNOWN_MAX:
-            self.versions.popitem(last=False)
+            old, _ = self.versions.popitem(last=False)
+            self._removed(old, pb.REMOVAL_REASON_TIER_DROPPED)
+
+    def forget(self, key: ChunkKey, reason: int) -> int | None:
+        """``key`` no longer vouched for (``reason``: a RemovalReason); its version."""
+        known = self.versions.pop(key, None)
+        if known is None:
+            return None
+        self._removed(key, reason)
+        return known[0]
 
     def doubt(self, key: ChunkKey) -> None:
-        self.versions.pop(key, None)
+        """``key``'s newest version did not reach Mooncake: never load it from there."""
+        self.forget(key, pb.REMOVAL_REASON_TIER_DROPPED)
         self.stale[key] = None
         if len(self.stale) > KNOWN_MAX:
             self.stale.popitem(last=False)
 
     def forget_namespace(self, namespace: str) -> None:
-        for table in (self.versions, self.stale):
-            for key in [k for k in table if k[0] == namespace]:
-                del table[key]
+        for key in [k for k in self.versions if k[0] == namespace]:
+            self.forget(key, pb.REMOVAL_REASON_DROPPED)
+        for key in [k for k in self.stale if k[0] == namespace]:
+            del self.stale[key]
+
+    def _removed(self, key: ChunkKey, reason: int) -> None:
+        if self.events is not None:
+            self.events.removed(key[0], (key[1],), key[2], reason, pb.TIER_MOONCAKE)
 
 
 class Writer:
@@ -116,7 +145,8 @@ class Writer:
             self._skip([chunk], CLOSING if g.closed else "queue")
             return
         chunk.readers += 1  # the store frees nothing a writer still reads
-        before = self.known.versions.pop(chunk.key, None)
+        # What Mooncake holds is the old version until the new one lands.
+        before = self.known.forget(chunk.key, pb.REMOVAL_REASON_OVERWRITTEN)
         self._queue.put((chunk, before is not None and before != version(chunk)))
 
     def _skip(self, chunks: list[Chunk], why: str) -> None:
@@ -210,7 +240,7 @@ class Writer:
                 with contextlib.suppress(Failed):
                     g.call_now(functools.partial(_remove, name=name))
                 continue
-            self._on_loop(self.known.remember, chunk.key, version(chunk))
+            self._on_loop(self.known.remember, chunk.key, version(chunk), chunk.size)
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to tell
