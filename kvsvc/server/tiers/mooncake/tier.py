@@ -150,7 +150,17 @@ class MooncakeTier(Tier):
         budget: float,
         committed: Callable[[], None],
     ) -> None:
-        loaded = await self.reads.load(namespace, layout, keys, budget, self.known.stale)
+        # Shielded: a Retrieve cancelled meanwhile must not leave chunks reserved
+        # while Mooncake still writes into them; the load ends (within its budget)
+        # and what it committed is released then.
+        work = asyncio.ensure_future(
+            self.reads.load(namespace, layout, keys, budget, self.known.stale)
+        )
+        try:
+            loaded = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._release)
+            raise
         if loaded:
             for chunk in loaded:
                 self.known.remember(chunk.key, version(chunk), chunk.size)
@@ -158,6 +168,10 @@ class MooncakeTier(Tier):
                 committed()  # the caller pins its prefix while these are pinned here
             finally:
                 self.store.release(loaded)
+
+    def _release(self, work: asyncio.Future[list[Chunk]]) -> None:
+        if not work.cancelled() and work.exception() is None:
+            self.store.release(work.result())
 
     # --- writes ---
     def write_behind(self, chunk: Chunk) -> None:
