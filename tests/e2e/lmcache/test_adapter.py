@@ -407,6 +407,47 @@ def test_direct_a_deadline_mid_load_holds_the_task_until_a_fence(
         a.close()
 
 
+def test_direct_a_deadline_mid_store_holds_the_task_until_a_fence(
+    make_server: Any, shm_l1: Any
+) -> None:
+    """A store whose deadline passes while kvsvc still reads LMCache's objects is held
+    (LMCache keeps them read-locked: no bytes of another object can be stored under
+    these keys) until a Fence proves the copy ended; then it is reported failed, and
+    a store and load afterwards are bit-exact."""
+    server = make_server()
+    l1 = shm_l1(4 << 20)
+    a = make_adapter(server.address, l1, store_timeout_s=0.5, piece_mib=1)
+    try:
+        k, objs = keys("d-store-deadline", 8), l1.objects(8, 64 * KIB, seed=17)
+        failpoints.load("transfer.copy=sleep(3000)")
+        try:
+            task = a.submit_store_task(k, objs)
+            deadline = time.monotonic() + 60
+            while f"store {task}" not in a.report_status()["held_tasks"]:
+                assert task not in a.pop_completed_store_tasks(), "completed without a hold"
+                assert time.monotonic() < deadline, a.report_status()
+                time.sleep(0.05)
+            assert a.report_status()["is_healthy"] is False
+        finally:
+            failpoints.load("")
+        done: dict[int, Any] = {}
+        while task not in done:
+            done.update(a.pop_completed_store_tasks())
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.05)
+        assert not done[task].is_successful()
+        assert a.report_status()["held_tasks"] == {}
+        while not store(a, k, objs)[0].is_successful():
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.3)
+        into = l1.objects(8, 64 * KIB)
+        assert load(a, k, into)[0] == [True] * 8
+        assert [obj_bytes(x) for x in into] == [obj_bytes(x) for x in objs]
+    finally:
+        failpoints.load("")
+        a.close()
+
+
 def test_direct_kvsvc_stopped_then_killed_and_restarted(tmp_path: Path, shm_l1: Any) -> None:
     """kvsvc SIGSTOPped mid-load: the task is held (no result, unhealthy) however long
     it stays stopped; SIGCONT: a Fence proves the copies ended and the task
