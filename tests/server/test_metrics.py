@@ -70,6 +70,7 @@ def test_metrics_show_exact_counts(make_server, shm_dir) -> None:
     assert v("kvsvc_inflight_transfers") == 0
     assert v("kvsvc_serving") == 1
     assert ("kvsvc_seconds_since_last_fatal", ()) not in m_  # no fatal failure: absent
+    assert v("kvsvc_event_loop_starved_total") >= 0  # the watchdog's, exported once started
 
 
 def test_lookup_counts_hit_and_missed_chunks(make_server) -> None:

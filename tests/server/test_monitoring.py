@@ -409,7 +409,7 @@ def test_every_dashboard_query_returns_data(stack: Stack) -> None:
 #: series the reference documents that a healthy server does not export
 ABSENT_WHEN_HEALTHY = {"kvsvc_seconds_since_last_fatal"}
 #: series of a tier this stack does not configure (held to the page by its tier's tests)
-OTHER_TIERS = ("kvsvc_s3_",)
+OTHER_TIERS = ("kvsvc_s3_", "kvsvc_mooncake_")
 
 
 def test_the_metrics_reference_lists_exactly_what_the_server_exports(stack: Stack) -> None:

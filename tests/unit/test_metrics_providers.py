@@ -198,6 +198,22 @@ def test_tenant_file_reload_failure_is_a_gauge_and_reloads_are_counted() -> None
     assert scrape(metrics)["kvsvc_tenant_file_reload_failed"] == 0
 
 
+def test_host_starvation_of_the_loop_is_a_counter_read_from_the_watchdog() -> None:
+    """The watchdog counts starvation episodes (late heartbeats that waited for a
+    CPU) without failing; operators see them as a counter that follows it live."""
+
+    @dataclass
+    class Loop:
+        starved: int = 0
+
+    metrics, loop = bare(), Loop()
+    metrics.watch_loop(loop)
+    assert scrape(metrics)["kvsvc_event_loop_starved_total"] == 0
+    loop.starved = 3
+    assert scrape(metrics)["kvsvc_event_loop_starved_total"] == 3
+    assert families(metrics)["kvsvc_event_loop_starved"] == "counter"
+
+
 def test_serving_reads_what_health_answers_for_readiness() -> None:
     """The disk index hold keeps readiness NOT_SERVING (liveness SERVING): so does
     kvsvc_serving; a fatal failure after the release turns it to 0 again."""

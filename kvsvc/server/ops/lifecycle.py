@@ -199,6 +199,7 @@ class Server:
             self.health,
         )
         self.watchdog.start()
+        self.servicer.metrics.watch_loop(self.watchdog)
         metrics_at = metrics_address(self.config)
         if metrics_at is not None:
             self.servicer.metrics.serve_http(*metrics_at)

@@ -360,6 +360,28 @@ class _TenantFileCollector:
         )
 
 
+class LoopStats(Protocol):
+    """What metrics read of the event-loop watchdog (kvsvc.server.ops.watchdog.Watchdog)."""
+
+    starved: int
+
+
+class _LoopCollector:
+    """Host starvation of the event loop: late heartbeats that were mostly waiting for
+    a CPU, which the watchdog logs and counts but never turns into a fatal failure."""
+
+    def __init__(self, source: LoopStats) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily(
+            "kvsvc_event_loop_starved",
+            "episodes of the event loop's heartbeat running late mostly waiting for a CPU "
+            "(the host starving the server, not kvsvc blocking its loop); health untouched",
+            value=self.source.starved,
+        )
+
+
 class EventStats(Protocol):
     """What metrics read of the events stream (kvsvc.server.events.EventLog)."""
 
@@ -538,6 +560,10 @@ class Metrics:
     def watch_tenant_file(self, source: TenantFile) -> None:
         """Export the tenant file's reloads (servers with --auth-token-file)."""
         self.registry.register(_TenantFileCollector(source))  # type: ignore[arg-type]
+
+    def watch_loop(self, source: LoopStats) -> None:
+        """Export the watchdog's count of host-starvation episodes."""
+        self.registry.register(_LoopCollector(source))  # type: ignore[arg-type]
 
     def serve_http(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
