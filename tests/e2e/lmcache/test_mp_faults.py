@@ -1,29 +1,30 @@
-"""Faults inside kvsvc under two real LMCache 0.5.6 MP servers (as test_mp_server.py
+"""Faults inside kvsvc under real LMCache 0.5.6 MP servers (as test_mp_server.py
 starts them, the kvsvc adapter on their command lines, driven by LMCache's own MP
 client and CPU worker transfer path) against a real `kvsvc serve`, one per test on
-the port both adapters target:
+the port the adapters target; node a stores, and each test runs once per data path
+of the loading node's adapter (direct: LMCache's L1 in a shared file; staging):
 
 - a corrupt chunk: one chunk's file in kvsvc's disk tier has a byte flipped after
-  memory evicted it; node b's prefetch of the prefix stops before it (LMCache
-  recomputes the rest), what b retrieves is bit-exact, the file is quarantined;
+  memory evicted it; the loader's prefetch of the prefix stops before it (LMCache
+  recomputes the rest), what it retrieves is bit-exact, the file is quarantined;
 - a deadline expiring mid-load: kvsvc's failpoint holds the copy past the adapter's
   load_timeout_s; the prefetch still completes (nothing found), LMCache's own status
   view (its HTTP frontend's GET /status, which holds each adapter's report_status)
-  shows the adapter unhealthy with its staging barred, through the hold's end, until
-  the next load fences it; then hits again, bit-exact.
+  shows the adapter unhealthy with the unproven transfer while the copy may still
+  run; after the adapter's Fence, hits again, bit-exact.
 
-Neither server logs a traceback; every call returns within a bound."""
+No server logs a traceback; every call returns within a bound."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import pytest
 pytest.importorskip("lmcache.v1.multiprocess.http_server", reason="runs in .venv-lmcache")
 
 import torch
-from lmcache_nodes import BLOCKS, ENV, Node, server_command
+from lmcache_nodes import BLOCKS, ENV, Node, free_port, server_command
 from lmcache_objects import plugin_spec
 from support import ServerProcess
 
@@ -44,19 +45,13 @@ MIB = 1 << 20
 # the deadline and the adapter's backstop together, so the held load cannot end in
 # time whatever the machine's load.
 LOAD_TIMEOUT_S = 3.0
-HOLD_S = 8.0
+HOLD_S = 10.0
 # Stores may be held too (a store of two chunks is one copy): their deadline
 # outlasts the hold.
 STORE_TIMEOUT_S = 30.0
 # Generous bounds for one client call and for the polls (a busy 2-core machine).
 CALL_BOUND_S = 60.0
 POLL_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StatusNode(Node):
@@ -66,12 +61,12 @@ class StatusNode(Node):
     The plain server Node starts is replaced at once (it is still importing: its
     port is free once it is reaped)."""
 
-    def __init__(self, name: str, spec: str, logs: Path) -> None:
-        super().__init__(name, spec, logs)
+    def __init__(self, name: str, spec: str, logs: Path, extra: tuple[str, ...] = ()) -> None:
+        super().__init__(name, spec, logs, extra)
         self.proc.kill()
         self.proc.wait(30)
         self.http_port = free_port()
-        command = server_command(self.port, spec)
+        command = server_command(self.port, spec, extra)
         command[command.index("lmcache.v1.multiprocess.server")] = (
             "lmcache.v1.multiprocess.http_server"
         )
@@ -103,9 +98,12 @@ class StatusNode(Node):
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Two LMCache nodes targeting one port, where each test starts its own kvsvc
-    (the adapters reconnect by themselves, as test_mp_server shows)."""
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """LMCache nodes targeting one port, where each test starts its own kvsvc (the
+    adapters reconnect by themselves, as test_mp_server shows): a stores; the
+    loaders, one per data path of the adapter, load (b's L1 is a shared file,
+    ``--shm-name``: kvsvc copies into its objects in place; c's is anonymous
+    memory: through staging)."""
     port = free_port()
     spec = plugin_spec(
         f"127.0.0.1:{port}",
@@ -114,14 +112,32 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Any:
         store_timeout_s=STORE_TIMEOUT_S,
     )
     logs = tmp_path_factory.mktemp("logs")
-    a, b = StatusNode("a", spec, logs), StatusNode("b", spec, logs)
+    a = StatusNode("a", spec, logs)
+    loaders = {
+        "direct": StatusNode("b", spec, logs, ("--shm-name", f"kvsvc_faults_{port}")),
+        "staging": StatusNode("c", spec, logs),
+    }
+    nodes = [a, *loaders.values()]
     try:
-        a.start()
-        b.start()
-        yield port, a, b
+        for node in nodes:
+            node.start()
+        yield port, a, loaders
     finally:
-        a.close()
-        b.close()
+        for node in nodes:
+            node.close()
+
+
+# Each test runs once per loader's data path; its seeds (tokens and request ids)
+# differ per path: a writes to L2 only the prefixes new to its L1, and LMCache
+# keeps state per request id.
+PATHS = pytest.mark.parametrize("path, seed", [("direct", 100), ("staging", 200)])
+
+
+def loader(cluster: Any, path: str) -> StatusNode:
+    """The loader of ``path``; its log names the data path its adapter took."""
+    b: StatusNode = cluster[2][path]
+    assert f"data path: {path}" in b.log_path.read_text(errors="replace"), b.output()
+    return b
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -210,25 +226,29 @@ def chunk_file(disk: Path, values: list[torch.Tensor]) -> Path:
         time.sleep(0.2)
 
 
-def test_a_corrupt_chunk_is_a_miss_through_lmcache(nodes: Any, tmp_path: Path) -> None:
+@PATHS
+def test_a_corrupt_chunk_is_a_miss_through_lmcache(
+    cluster: Any, tmp_path: Path, path: str, seed: int
+) -> None:
     """Node a stores a three-chunk prefix; kvsvc writes each chunk to its disk tier,
     then memory evicts them (other chunks fill it); the second chunk's file gets a
     flipped byte. Node b's prefetch finds one chunk (the load refused the corrupt
     one: a miss, LMCache recomputes from there), its retrieve of that chunk is
     bit-exact and writes nothing else; kvsvc quarantined the file; later stores and
     loads work."""
-    port, a, b = nodes
+    port, a, _ = cluster
+    b = loader(cluster, path)
     shm, disk = tmp_path / "shm", tmp_path / "disk"
     shm.mkdir()
     srv = ServerProcess(shm, "--store-bytes", "8M", "--disk-dir", str(disk), port=port)
     try:
-        warm_up(a, b, seed=11)
+        warm_up(a, b, seed=seed + 11)
         n = 3
         bpc = a.blocks_per_chunk
         src, dst = slots(a, 0, n), slots(b, 4, n)
-        a.fill(src, seed=12)
-        t = tokens(12, n * a.chunk)
-        assert a.store(t, src, "s12")
+        a.fill(src, seed=seed + 12)
+        t = tokens(seed + 12, n * a.chunk)
+        assert a.store(t, src, f"s{seed + 12}")
         by_chunk = [chunk_file(disk, a.blocks_bytes(slots(a, k))) for k in range(n)]
         # Memory evicts the prefix (least recently used): the load comes from disk.
         with KVCacheClient(f"127.0.0.1:{port}") as filler:
@@ -243,12 +263,12 @@ def test_a_corrupt_chunk_is_a_miss_through_lmcache(nodes: Any, tmp_path: Path) -
 
         deadline = time.monotonic() + POLL_S
         i = 0
-        while (found := timed_prefetch(b, t, f"p12-{i}")) == 0:
+        while (found := timed_prefetch(b, t, f"p{seed + 12}-{i}")) == 0:
             assert time.monotonic() < deadline, "node b never found the prefix"
             i += 1
             time.sleep(0.3)
         assert found == 1, f"node b found {found} chunks; the second is corrupt"
-        assert b.retrieve(t[: a.chunk], dst[:bpc], "r12")
+        assert b.retrieve(t[: a.chunk], dst[:bpc], f"r{seed + 12}")
         assert same(b.blocks_bytes(dst[:bpc]), a.blocks_bytes(src[:bpc]))
         assert zero(b.blocks_bytes(dst[bpc:]))
         assert not corrupt.exists()
@@ -257,11 +277,11 @@ def test_a_corrupt_chunk_is_a_miss_through_lmcache(nodes: Any, tmp_path: Path) -
 
         # Later stores and loads work.
         src2, dst2 = src[: 2 * bpc], slots(b, 0, 2)
-        a.fill(src2, seed=13)
-        t2 = tokens(13, 2 * a.chunk)
-        assert a.store(t2, src2, "s13")
-        prefetch_until(b, t2, "p13", 2)
-        assert b.retrieve(t2, dst2, "r13")
+        a.fill(src2, seed=seed + 13)
+        t2 = tokens(seed + 13, 2 * a.chunk)
+        assert a.store(t2, src2, f"s{seed + 13}")
+        prefetch_until(b, t2, f"p{seed + 13}", 2)
+        assert b.retrieve(t2, dst2, f"r{seed + 13}")
         assert same(b.blocks_bytes(dst2), a.blocks_bytes(src2))
         for node in (a, b):
             assert node.proc.poll() is None
@@ -270,63 +290,83 @@ def test_a_corrupt_chunk_is_a_miss_through_lmcache(nodes: Any, tmp_path: Path) -
         srv.kill()
 
 
-def test_a_deadline_mid_load_bars_until_a_fence(nodes: Any, tmp_path: Path) -> None:
+def unproven_while(node: StatusNode, job: Future[Any]) -> dict[str, Any] | None:
+    """The adapter's status once it shows an unproven transfer while ``job`` runs
+    (or right after it ended), else None."""
+    while True:
+        done = job.done()
+        status = node.adapter_status()
+        if status["unproven_transfers"]:
+            return status
+        if done:
+            return None
+        time.sleep(0.2)
+
+
+@PATHS
+def test_a_deadline_mid_load_is_unproven_until_a_fence(
+    cluster: Any, tmp_path: Path, path: str, seed: int
+) -> None:
     """kvsvc's ``transfer.copy`` failpoint holds every copy of more than one chunk
     (after its first chunk) for HOLD_S. Node b's prefetch of a two-chunk prefix
-    completes with nothing found once the load's deadline passes; LMCache's status
-    shows the adapter unhealthy, its load staging barred with the unproven transfer,
-    still after the held copy has ended (no bar lifted by a timer); the next load
-    fences it and hits (one-chunk prefixes: those copies are not held), bit-exact;
-    the status is healthy again."""
-    port, a, b = nodes
+    completes with nothing found; once the load's deadline has passed LMCache's
+    status shows it and the adapter unhealthy with the unproven transfer, still
+    while the held copy may run (no proof by a timer); after a Fence (the adapter's
+    own, when kvsvc can prove the copy ended) loads hit again (one-chunk prefixes:
+    those copies are not held), bit-exact, and the status is healthy."""
+    port, a, _ = cluster
+    b = loader(cluster, path)
     shm = tmp_path / "shm"
     shm.mkdir()
     srv = ServerProcess(
         shm,
-        "--transfer-threads",
-        "4",  # held copies occupy threads; the others keep copying
+        # Held copies occupy copy threads (the others keep copying) and would pass
+        # for stalled ones (a fatal failure) after the default 10 s.
+        *("--transfer-threads", "4", "--stall-timeout", "60"),
         port=port,
         env={"KVSVC_FAILPOINTS": f"transfer.copy=sleep({int(HOLD_S * 1000)})"},
     )
     try:
-        warm_up(a, b, seed=21)
+        warm_up(a, b, seed=seed + 21)
         src, dst = slots(a, 0, 2), slots(b, 2, 2)
-        a.fill(src, seed=22)
-        t = tokens(22, 2 * a.chunk)
-        assert a.store(t, src, "s22")
-        # Until b's load of the prefix ran into its deadline (before that the
-        # prefix may not be in kvsvc yet: nothing found, nothing barred).
+        a.fill(src, seed=seed + 22)
+        t = tokens(seed + 22, 2 * a.chunk)
+        assert a.store(t, src, f"s{seed + 22}")
+        # Until a load of b's ran into its deadline (before, the prefix may not be
+        # in kvsvc yet: nothing found, nothing unproven).
         deadline = time.monotonic() + POLL_S
-        i = 0
-        while True:
-            t0 = time.monotonic()
-            found = timed_prefetch(b, t, f"p22-{i}")
-            took = time.monotonic() - t0
-            assert found == 0, f"a held load found {found} chunks"
+        with ThreadPoolExecutor(1) as pool:
+            i = 0
+            while True:
+                t0 = time.monotonic()
+                job = pool.submit(timed_prefetch, b, t, f"p{seed + 22}-{i}")
+                seen = unproven_while(b, job)
+                if seen is not None:
+                    break
+                assert job.result() == 0, "a load of the prefix was not held"
+                assert time.monotonic() < deadline, "no load of the prefix was held"
+                i += 1
+                time.sleep(0.3)
+            assert seen["is_healthy"] is False, seen
+            assert b.status()["is_healthy"] is False
+            # This load's copy began after t0 and is held HOLD_S: a status read
+            # before t0 + HOLD_S must still show it unproven.
+            time.sleep(max(t0 + HOLD_S - 3 - time.monotonic(), 0))
             status = b.adapter_status()
-            if status["barred_lanes"]:
-                break
-            assert time.monotonic() < deadline, f"no load was barred: {status}"
-            i += 1
-            time.sleep(0.3)
-        assert took < LOAD_TIMEOUT_S + 30, f"the held prefetch took {took:.1f} s"
-        assert status["is_healthy"] is False and status["unproven_transfers"] >= 1, status
-        assert b.status()["is_healthy"] is False
+            if time.monotonic() < t0 + HOLD_S:
+                assert status["unproven_transfers"] and status["is_healthy"] is False, status
+            assert job.result() == 0, "a held load found chunks"
         assert zero(b.blocks_bytes(dst))
 
-        time.sleep(HOLD_S)  # the held copy has ended in kvsvc; only a Fence lifts the bar
-        status = b.adapter_status()
-        assert status["barred_lanes"] and status["is_healthy"] is False, status
-
         src1, dst1 = slots(a, 0), slots(b, 7)
-        a.fill(src1, seed=23)
-        t1 = tokens(23, a.chunk)
-        assert a.store(t1, src1, "s23")
-        prefetch_until(b, t1, "p23", 1)
-        assert b.retrieve(t1, dst1, "r23")
+        a.fill(src1, seed=seed + 23)
+        t1 = tokens(seed + 23, a.chunk)
+        assert a.store(t1, src1, f"s{seed + 23}")
+        prefetch_until(b, t1, f"p{seed + 23}", 1)
+        assert b.retrieve(t1, dst1, f"r{seed + 23}")
         assert same(b.blocks_bytes(dst1), a.blocks_bytes(src1))
         status = b.adapter_status()
-        assert status["barred_lanes"] == {} and status["is_healthy"] is True, status
+        assert status["unproven_transfers"] == 0 and status["is_healthy"] is True, status
         assert b.status()["is_healthy"] is True
         assert zero(b.blocks_bytes(dst))
         for node in (a, b):
