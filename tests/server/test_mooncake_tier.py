@@ -425,3 +425,7 @@ def test_a_master_that_stops_answering_never_piles_up_calls(master, server) -> N
                 return False
 
         wait_until("it heals once the master answers", loads, 30)
+        # The chunks reserved for calls given up on were freed once those ended.
+        store = b.server.servicer.store
+        forget_in_memory(b)
+        wait_until("every reservation freed", lambda: store.used_bytes == 0, 15)

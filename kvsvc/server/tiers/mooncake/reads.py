@@ -35,8 +35,10 @@ from kvsvc.server.tiers.mooncake.values import (
 
 #: keys one Retrieve asks Mooncake for at most (the rest: the next Retrieve)
 LOAD_MAX = 64
-#: a load of this many bytes or more is read by two calls at once
+#: a load of this many bytes or more is read by PARTS calls at once (one thread's
+#: transfer beside the others' checksums; one of the gate's threads left free)
 SPLIT_BYTES = 16 << 20
+PARTS = 2
 #: a value whose call failed (counted by the gate), or was given up on
 _FAILED, _LATE = "failed", "late"
 
@@ -131,12 +133,12 @@ class Reads:
         return True
 
     async def _get(self, job: _Load, deadline: float) -> list[Chunk]:
-        """Read the job's values, in two calls at once when they are large (one
-        thread's transfer beside the other's checksums), and commit the prefix."""
+        """Read the job's values, in PARTS calls at once when they are large, and
+        commit the prefix."""
         g, store = self.gate, self.store
         n = len(job.chunks)
-        halves = n > 1 and sum(job.sizes) >= SPLIT_BYTES
-        bounds = [(0, n // 2), (n // 2, n)] if halves else [(0, n)]
+        k = min(n, PARTS) if sum(job.sizes) >= SPLIT_BYTES else 1
+        bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
         parts = await asyncio.gather(*(self._part(job, lo, hi, deadline) for lo, hi in bounds))
         results = [r for part in parts for r in part]
         pinned: list[Chunk] = []
