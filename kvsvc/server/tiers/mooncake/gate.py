@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.tiers.breaker import Breaker
+from kvsvc.server.tiers.breaker import CLOSED, Breaker
 from kvsvc.server.tiers.mooncake.client import (
     BREAKER_FAILURES,
     BREAKER_OPEN,
@@ -61,6 +62,7 @@ class Gate:
         self.closed = False
         self.inflight = 0  # calls on the threads now (on the loop)
         self.calling = 0  # threads inside Mooncake now (any thread, under lock)
+        self.failed_at = -math.inf  # when Mooncake last failed a call (monotonic)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             THREADS, thread_name_prefix="kvsvc-mooncake"
         )
@@ -110,6 +112,7 @@ class Gate:
             if cut:  # not Mooncake's fault (yet): the call's own end tells the breaker
                 self.count(self.errors, BUDGET)
                 raise Failed(BUDGET) from None
+            self.failed_at = time.monotonic()
             self.breaker.failure()
             self.count(self.errors, TIMEOUT)
             warn.warning("mooncake tier: a call took over %g s: a miss", self.timeout)
@@ -162,9 +165,14 @@ class Gate:
     def failed(self, kind: str) -> None:
         self.count(self.errors, kind)
         if kind in FAILURES:
+            self.failed_at = time.monotonic()
             self.breaker.failure()
         else:
             self.breaker.success()
+
+    def answering(self, quiet_s: float) -> bool:
+        """Whether Mooncake answered every call of the last ``quiet_s`` s."""
+        return self.breaker.state == CLOSED and time.monotonic() - self.failed_at > quiet_s
 
     def stop(self) -> None:
         self.closed = True

@@ -23,6 +23,9 @@ from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 #: keys one Lookup asks Mooncake about at most (one batch_is_exist)
 ASK_MAX = 64
+#: a stop closes Mooncake's client only if no call failed this long before it
+#: (close() with a dead master holds the GIL ~17 s: the client is left open then)
+QUIET_S = 30.0
 
 
 class MooncakeTier(Tier):
@@ -84,9 +87,9 @@ class MooncakeTier(Tier):
         # client: closing under it would crash the process. Past the wait, the
         # client is left open to the process's exit.
         if self.gate.idle(wait):
-            self.connection.close(wait)
+            self.connection.close(wait, answering=self.gate.answering(QUIET_S))
         else:
-            log.warning("mooncake tier: calls still inside Mooncake at stop; client left open")
+            self.connection.close(wait, answering=False)
 
     async def aclose(self, timeout: float) -> None:
         await self.loop.run_in_executor(None, self.close, timeout)
