@@ -9,8 +9,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import socket
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvsvc.errors import BoundedLog
 from kvsvc.server.config import ConfigError, ServerConfig
@@ -172,8 +174,32 @@ class Connection:
         finally:
             self._setting_up.release()
 
+    def _reachable(self) -> bool:
+        """Whether the master's RPC port (and an HTTP metadata server's) take a TCP
+        connection within a second. Mooncake's setup() against a master that is
+        not there holds Python's GIL for ~90 s (measured: the whole process,
+        event loop included, stops), so it is only called once they do."""
+        targets = [self.master]
+        meta = urlsplit(self.metadata)
+        if meta.scheme in ("http", "https") and meta.hostname:
+            targets.append(
+                f"{meta.hostname}:{meta.port or (443 if meta.scheme == 'https' else 80)}"
+            )
+        for target in targets:
+            host, _, port = target.rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            except (OSError, ValueError) as exc:
+                warn.warning(
+                    "mooncake tier: %s does not answer (%s): reads are misses", target, exc
+                )
+                return False
+        return True
+
     def _setup(self) -> Any:
         mod = require_store()
+        if not self._reachable():
+            raise Failed(SETUP)
         client = mod.MooncakeDistributedStore()
         rc = client.setup(
             self.hostname or "0.0.0.0",
