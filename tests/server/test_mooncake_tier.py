@@ -48,7 +48,7 @@ from kvsvc.server.config import ServerConfig
 from kvsvc.server.data.store import INLINE_LAYOUT
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 #: set in the namespace test_in_a_network_namespace makes
 INSIDE = "KVSVC_MOONCAKE_NETNS"
@@ -102,7 +102,7 @@ def test_in_a_network_namespace(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=140,
+        timeout=220,
         check=False,
         env=env,
         cwd=Path(__file__).resolve().parents[2],
