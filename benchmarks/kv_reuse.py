@@ -124,3 +124,28 @@ def hit_vs_recompute(
     notes = [f"- load: KV bytes / {read_bytes_per_s / 1e9:.2f} GB/s, measured: {how_measured}"]
     notes += [f"- recompute ({r.geometry.name}): {r.source}" for r in recomputes]
     return table + "\n" + "\n".join(notes)
+
+
+#: vllm_ttft's recompute of 4096 tokens on this host's 2 CPU cores: the median of 5
+#: reps, docs/benchmarks.md's run L (.venv-vllm/bin/python -m benchmarks.vllm_ttft
+#: --lengths 2048,4096 --reps 5)
+TTFT_RECOMPUTE_S = 5.187
+PROMPT_TOKENS = 4096
+
+
+def cross_node(tier: str, read_bytes_per_s: float, how: str) -> str:
+    """Node B loads a prompt's KV that node A computed and wrote behind to ``tier``,
+    vs computing it again: at the caller's measured read bandwidth."""
+    recomputes = [
+        gpu_prefill(LLAMA3_8B, PROMPT_TOKENS),
+        Recompute(
+            "vLLM on this host's 2 CPU cores",
+            TTFT_LLAMA,
+            PROMPT_TOKENS,
+            TTFT_RECOMPUTE_S,
+            measured=True,
+            source="measured by benchmarks/vllm_ttft.py, not in this run: docs/benchmarks.md, "
+            "run L (TTFT without a connector, median of 5 reps)",
+        ),
+    ]
+    return hit_vs_recompute(tier, read_bytes_per_s, how, recomputes)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, KvsvcServer, machine_info, machine_line, md_table, pct
-from benchmarks.kv_reuse import LLAMA3_8B, TTFT_LLAMA, Recompute, gpu_prefill, hit_vs_recompute
+from benchmarks.kv_reuse import cross_node
 from kvsvc.client import KVCacheClient
 from kvsvc.client.kvcache import SharedKVCache
 from kvsvc.server.data.copies import checksum
@@ -67,11 +67,6 @@ PREFIX = "bench"
 READ_GOAL, WRITE_GOAL = 0.9, 0.8
 #: one block over all layers: 4 layers of K+V, 16 tokens, 8 heads of 128, bf16
 LAYERS, BLOCK_BYTES = 4, 4 * 2 * 16 * 8 * 128 * 2
-#: vllm_ttft's recompute of 4096 tokens on this host's 2 CPU cores: the median of 5
-#: reps, docs/benchmarks.md's run L (.venv-vllm/bin/python -m benchmarks.vllm_ttft
-#: --lengths 2048,4096 --reps 5)
-TTFT_RECOMPUTE_S = 5.187
-PROMPT_TOKENS = 4096
 
 
 def node(
@@ -299,7 +294,7 @@ def run(weed: SeaweedServer, tmp: Path, args: Any, sizes: list[int], total: int)
         print(lookup_table(weed, raw, a, b, off, args.lookups))
         size = max(read_rates)
         print()
-        print(cross_node(read_rates[size], f"Retrieve<-S3 of {size // MiB} MiB chunks above"))
+        print(cross_node("S3", read_rates[size], f"Retrieve<-S3 of {size // MiB} MiB chunks above"))
     finally:
         kv.close()
         for st in (a, b, off):
@@ -381,24 +376,6 @@ def lookup_table(
             ("raw boto3 head_object (16 keys, one after another)", f"{p_raw16:.3f}", "", ""),
         ],
     )  # fmt: skip
-
-
-def cross_node(read_bytes_per_s: float, how: str) -> str:
-    """Node B loads a prompt's KV that node A computed and wrote behind to S3, vs
-    computing it again: at this run's read bandwidth."""
-    recomputes = [
-        gpu_prefill(LLAMA3_8B, PROMPT_TOKENS),
-        Recompute(
-            "vLLM on this host's 2 CPU cores",
-            TTFT_LLAMA,
-            PROMPT_TOKENS,
-            TTFT_RECOMPUTE_S,
-            measured=True,
-            source="measured by benchmarks/vllm_ttft.py, not in this run: docs/benchmarks.md, "
-            "run L (TTFT without a connector, median of 5 reps)",
-        ),
-    ]
-    return hit_vs_recompute("S3", read_bytes_per_s, how, recomputes)
 
 
 if __name__ == "__main__":
