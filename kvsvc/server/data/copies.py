@@ -25,8 +25,15 @@ import torch
 from kvsvc.errors import LayoutMismatch
 from kvsvc.server.data.checksum import SEGMENT_BYTES, Digest, checksum, segment_count, segments
 from kvsvc.server.data.claims import Claims
-from kvsvc.server.data.nativecopy import CRC_PATHS, NativeCopy, load_native, why_not
-from kvsvc.server.data.regions import CudaRegion, HostRegion, Mapping, MemfdRegion, ShmRegion
+from kvsvc.server.data.nativecopy import CRC_PATHS, TRUNCATED, NativeCopy, load_native, why_not
+from kvsvc.server.data.regions import (
+    CudaRegion,
+    HostRegion,
+    Mapping,
+    MemfdRegion,
+    PassedFileRegion,
+    ShmRegion,
+)
 from kvsvc.server.ops import failpoints
 
 #: Below this a copy runs as one task: a hand-off between threads costs more
@@ -53,7 +60,11 @@ def copy_loop() -> tuple[str, str]:
     on) or ("python", why not native), for the start line and GetServerInfo."""
     native = NATIVE
     if native is not None:
-        return "native", f"built with the package; CRC-32C on {CRC_PATHS[min(native.level, 2)]}"
+        files = "mapped, SIGBUS guarded" if native.guards else "by positional I/O"
+        return "native", (
+            f"built with the package; passed shared files {files}; "
+            f"CRC-32C on {CRC_PATHS[min(native.level, 2)]}"
+        )
     return "python", why_not() or "the native loop is turned off in this process"
 
 
@@ -96,8 +107,11 @@ class CopyPlan:
     block_ids: list[int]
     ops: list[tuple[HostRegion, int, int, int]]  # (region, region offset, chunk offset, n)
     starts: list[int]  # chunk offset of each op, for bisect
-    #: For the native loop (memfd regions only): rows of (address, chunk offset, n).
+    #: For the native loop (mapped regions only): rows of (address, chunk offset, n).
     runs: np.ndarray | None = None
+    #: The passed plain files among ``runs``' regions: they may shrink under the
+    #: mapping, so the native loop copies them guarded, checking their size.
+    files: tuple[PassedFileRegion, ...] = ()
 
 
 def plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
@@ -122,10 +136,18 @@ def plan(mapping: Mapping, block_ids: list[int]) -> CopyPlan:
                 last, last_end = region, off + n
                 pos += n
     runs = None
-    if all(isinstance(op[0], MemfdRegion) for op in ops):
-        rows = [(r.base + o, p, n) for r, o, p, n in ops]  # type: ignore[union-attr]
+    files = tuple({r: None for r, *_ in ops if isinstance(r, PassedFileRegion)})
+    if all(mapped(op[0]) for op in ops):
+        rows = [(r.base + o, p, n) for r, o, p, n in ops]  # type: ignore[union-attr,operator]
         runs = np.array(rows, dtype=np.uint64).reshape(-1, 3)
-    return CopyPlan(block_ids, ops, [op[2] for op in ops], runs)
+    return CopyPlan(block_ids, ops, [op[2] for op in ops], runs, files)
+
+
+def mapped(region: HostRegion) -> bool:
+    """Whether the native loop can copy this region through its mapping."""
+    if isinstance(region, PassedFileRegion):
+        return region.base is not None
+    return isinstance(region, MemfdRegion)
 
 
 _plan_lock = threading.Lock()
@@ -274,10 +296,14 @@ class _BlockCopy:
         chunk, ci, to_store = self.chunk, self.ci, self.to_store
         p = cached_plan(self.mapping, self.block_ids)
         lo, hi = a * SEGMENT_BYTES, min(b * SEGMENT_BYTES, chunk.size)
-        native = NATIVE
+        native = native_for(p)
         if native is not None and p.runs is not None:
             digests = (ctypes.c_uint32 * (b - a))(*([] if to_store else chunk.expected[a:b]))
-            failed, got = native.copy(p.runs, chunk.addr, lo, hi, digests, to_store=to_store)
+            before_guarded(p, to_store)
+            failed, got = native.copy(
+                p.runs, chunk.addr, lo, hi, digests, to_store=to_store, guarded=bool(p.files)
+            )
+            after_guarded(p, failed)
             if to_store:
                 return [(ci, a + k, d) for k, d in enumerate(digests)]
             return [(ci, a + failed, got)] if failed >= 0 else []
@@ -296,11 +322,14 @@ class _BlockCopy:
         help with the others' (see Claims)."""
         chunk, ci, to_store = self.chunk, self.ci, self.to_store
         p = cached_plan(self.mapping, self.block_ids)
-        native = NATIVE
+        native = native_for(p)
         if native is not None and p.runs is not None and native.claims:
+            before_guarded(p, to_store)
             failed, got = native.claim(
-                p.runs, chunk.addr, chunk.size, claims, me, to_store=to_store
-            )
+                p.runs, chunk.addr, chunk.size, claims, me, to_store=to_store,
+                guarded=bool(p.files),
+            )  # fmt: skip
+            after_guarded(p, failed)
             if to_store:
                 return [(ci, s, claims.digests[s]) for s in claims.mine(me)]
             return [(ci, failed, got)] if failed >= 0 else []
@@ -314,6 +343,32 @@ class _BlockCopy:
                 claims.stop()
                 return [(ci, si, digest)]
         return out
+
+
+def native_for(p: CopyPlan) -> NativeCopy | None:
+    """The native loop if it can copy this plan: a plan with passed plain files
+    needs its guarded copies."""
+    native = NATIVE
+    if native is not None and p.files and not native.guards:
+        return None
+    return native
+
+
+def before_guarded(p: CopyPlan, to_store: bool) -> None:
+    """A guarded write starts only into files still as long as the mapping."""
+    if not to_store:
+        for f in p.files:
+            f.check_size()
+
+
+def after_guarded(p: CopyPlan, failed: int) -> None:
+    """REGION_TRUNCATED for a guarded copy that faulted, or whose file is now shorter
+    than the mapping (a truncate inside the last page reads zeros, no fault)."""
+    for f in p.files:
+        f.check_size()
+    if failed == TRUNCATED:  # the file was truncated and grown back since the fault
+        f = p.files[0]
+        raise f._truncated(f.size)
 
 
 class SegmentPiece:

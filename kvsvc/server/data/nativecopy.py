@@ -62,6 +62,18 @@ class NativeCopy:
         self._claim = claim
         #: tasks of one chunk's copy share its segments in C (``claim``)
         self.claims = claim is not None
+        copy_g = getattr(lib, "kvsvc_copy_segments_guarded", None)  # absent from an older build
+        claim_g = getattr(lib, "kvsvc_copy_claim_guarded", None)
+        install = getattr(lib, "kvsvc_guard_install", None)
+        if copy_g is not None and claim_g is not None and install is not None and claim:
+            copy_g.restype, copy_g.argtypes = fn.restype, fn.argtypes
+            claim_g.restype, claim_g.argtypes = ctypes.c_long, claim.argtypes
+            install.restype = ctypes.c_int
+        #: copies of mapped memory that may shrink (a passed plain shared file), with a
+        #: SIGBUS in it caught as TRUNCATED: the SIGBUS handler is installed
+        self.guards = install is not None and bool(install())
+        self._copy_g = copy_g if self.guards else None
+        self._claim_g = claim_g if self.guards else None
 
     def stream(self, on: bool) -> bool:
         """Use non-temporal stores or not (for tests and benchmarks that compare
@@ -78,29 +90,46 @@ class NativeCopy:
         digests: ctypes.Array,
         *,
         to_store: bool,
+        guarded: bool = False,
     ) -> tuple[int, int]:
         """Copy chunk bytes [lo, hi) (``lo`` on a segment boundary) between the
         engine (``runs``: rows of engine address, chunk offset, length) and the
         chunk at ``addr``, with each segment's CRC taken in the same pass. A Store
         writes them into ``digests``; a Retrieve compares each with ``digests``
         once written into the blocks and stops at the first mismatch. Returns
-        (-1, 0), or (failed segment from lo, its CRC)."""
+        (-1, 0), or (failed segment from lo, its CRC), or (TRUNCATED, 0) when
+        ``guarded`` (the runs may fault: see copyloop.c) and a page of them did."""
         got = ctypes.c_uint32()
-        failed = self._copy(
+        fn = self._copy
+        if guarded:
+            assert self._copy_g is not None
+            fn = self._copy_g
+        failed = fn(
             runs.ctypes.data, len(runs), addr, lo, hi, SEGMENT_BYTES, int(to_store),
             ctypes.addressof(digests), ctypes.byref(got),
         )  # fmt: skip
         return failed, got.value
 
     def claim(
-        self, runs: np.ndarray, addr: int, size: int, claims: Claims, me: int, *, to_store: bool
+        self,
+        runs: np.ndarray,
+        addr: int,
+        size: int,
+        claims: Claims,
+        me: int,
+        *,
+        to_store: bool,
+        guarded: bool = False,
     ) -> tuple[int, int]:
         """Task ``me``'s part of a chunk's copy shared by ``claims`` (see Claims):
         its own segments, then help with the others'. Returns (-1, 0), or (the
-        failed segment, its CRC)."""
-        assert self._claim is not None
+        failed segment, its CRC), or (TRUNCATED, 0) as :meth:`copy`."""
+        fn = self._claim
+        if guarded:
+            fn = self._claim_g
+        assert fn is not None
         got = ctypes.c_uint32()
-        failed = self._claim(
+        failed = fn(
             runs.ctypes.data, len(runs), addr, size, SEGMENT_BYTES, int(to_store),
             ctypes.addressof(claims.digests), ctypes.byref(got), ctypes.addressof(claims.ranges),
             ctypes.addressof(claims.starts), len(claims.starts), me,
@@ -108,6 +137,9 @@ class NativeCopy:
         )  # fmt: skip
         return failed, got.value
 
+
+#: What a guarded copy returns when a page of the engine's runs faulted (SIGBUS).
+TRUNCATED = -2
 
 #: The package build's name for the copy loop: a C library (no PyInit) in an
 #: extension module's place, named with this interpreter's extension suffix.

@@ -1,14 +1,28 @@
 """Opening and holding an engine's memory: a shared-memory file under --shm-dir,
-a sealed memfd passed over the fd socket, or a CUDA allocation from its IPC
-handle. Regions only open, check and release memory and move one byte range;
-copy plans and checksums are kvsvc.server.data.copies', tensor layouts kvsvc.layout's.
+a sealed memfd passed over the fd socket, a plain shared file passed by fd, or a
+CUDA allocation from its IPC handle. Regions only open, check and release memory
+and move one byte range; copy plans and checksums are kvsvc.server.data.copies',
+tensor layouts kvsvc.layout's.
 
-Shared-memory files are copied with ``preadv``/``pwritev`` on the file, not
-through ``mmap``: a client that truncates its file then causes a short read
-(a typed error), never a SIGBUS that would kill the server. Sealed memfds
+Shared-memory files under --shm-dir are copied with ``preadv``/``pwritev`` on the
+file, not through ``mmap``: a client that truncates its file then causes a short
+read (a typed error), never a SIGBUS that would kill the server. Sealed memfds
 (kvsvc.client.fdpass) cannot shrink, so they are mapped and copied with memcpy
 (``ctypes.memmove``, which releases the GIL and costs ~1 µs a call where a
 torch slice copy costs several: runs are as small as one block of one layer).
+
+A plain shared file passed by fd (``PassedFileRegion``: LMCache's L1 arena on the
+adapter's direct path, vLLM's /dev/shm offload file) is mapped too, and the native
+copy loop copies it like a memfd, inside a guarded copy: a SIGBUS from a page its
+owner truncated away is caught on the copying thread and becomes that copy's
+REGION_TRUNCATED (native/copyloop.c, "Guarded copies"). Why not positional I/O
+there as well: measured (benchmarks.lmcache_l2 --total-mib 256 --rounds 100
+--repeat 3, 2-core VM), kvsvc's Retrieve wrote the arena's file with ``pwritev``,
+a 1 MiB segment at a time from Python and the CRC-32C in a second pass, at
+2.8 / 3.0 GB/s (2 / 32 MiB objects) against 7.1 / 15.2 GB/s into a sealed memfd
+(mapped, native loop, CRC folded into the copy). Without the native loop (or
+with a build that has no guarded copy) the file is still copied with positional
+I/O.
 """
 
 from __future__ import annotations
@@ -201,8 +215,17 @@ class ShmRegion:
 
 class PassedFileRegion(ShmRegion):
     """A plain shared-memory file a client passed by fd (``FILE_LEASE_MAGIC``: it
-    cannot be sealed, e.g. vLLM's /dev/shm offload file): copied with positional
-    I/O like a file under --shm-dir, and current while its owner's lease is."""
+    cannot be sealed, e.g. LMCache's L1 arena, vLLM's /dev/shm offload file), current
+    while its owner's lease is. Mapped (``base``) for the native loop's guarded
+    copies, which turn a SIGBUS from a truncated page into REGION_TRUNCATED; the
+    Python loop copies it with positional I/O like a file under --shm-dir.
+
+    Both paths bracket a copy with :meth:`check_size` (after it, and before a
+    write). A mapped write cannot extend the file at all (a page past the end
+    faults: the copy fails as truncated), so the re-grow window ``pwritev`` leaves
+    (see ShmRegion.check_size) does not exist on the mapped path; the check after
+    the copy catches a truncate inside the last page, whose bytes past the end read
+    as zeros and are written nowhere instead of faulting."""
 
     def __init__(self, fd: int, token: str, need_bytes: int, owner: Owner | None) -> None:
         self.name = f"memfd {token[:12]}"
@@ -210,11 +233,24 @@ class PassedFileRegion(ShmRegion):
         self.fd = fd
         self.size = need_bytes
         self.owner = owner
+        self.mm: mmap.mmap | None = None
+        self._anchor: ctypes.c_char | None = None
+        #: the mapping's address, or None where it could not be mapped (positional I/O)
+        self.base: int | None = None
+        try:
+            self.mm = mmap.mmap(fd, need_bytes)
+        except (OSError, ValueError):
+            return
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(self._anchor)
 
     def is_current(self) -> bool:
         return self.owner is None or not self.owner.gone()
 
     def close(self) -> None:
+        self._anchor = None
+        if self.mm is not None:
+            self.mm.close()
         os.close(self.fd)
         if self.owner is not None:
             self.owner.close()
@@ -222,8 +258,8 @@ class PassedFileRegion(ShmRegion):
 
 
 def open_passed(fds: FdBroker | None, token: str, need_bytes: int) -> MemfdRegion | ShmRegion:
-    """The region of a passed fd: mapped if it is sealed against shrinking (the
-    kernel says so, whatever the client claimed), else copied with positional I/O."""
+    """The region of a passed fd: a MemfdRegion if it is sealed against shrinking
+    (the kernel says so, whatever the client claimed), else a PassedFileRegion."""
     if fds is None:
         raise InvalidRequest(
             "this server runs with --fd-socket off: sealed memfd handles are refused",

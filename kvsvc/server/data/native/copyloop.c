@@ -12,6 +12,10 @@
  * folding (buffers of 1 KiB and more); with SSE4.2, three interleaved crc32
  * streams combined with zero-shift tables; elsewhere slicing-by-8 tables.
  */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -453,6 +457,143 @@ long kvsvc_copy_claim(const kvsvc_run *runs, size_t nruns, unsigned char *chunk,
         owner[s] = (uint8_t)(me + 1);
         if (copy_span(runs, nruns, chunk, lo, hi, seg, to_store, digests + s, got, stream) >= 0) {
             failed = (long)s;
+            for (size_t k = 0; k < nranges; k++) { /* nobody claims more */
+                uint64_t v = __atomic_load_n(&ranges[k], __ATOMIC_ACQUIRE);
+                while (!__atomic_compare_exchange_n(&ranges[k], &v, (v >> 32) << 32 | (v >> 32), 0,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                }
+            }
+            break;
+        }
+    }
+#ifdef HAVE_FOLD
+    if (stream) _mm_sfence();
+#endif
+    return failed;
+}
+
+/* Guarded copies: a plain shared file a client passed (it cannot be sealed
+ * against shrinking) is mapped, and its owner may truncate it under the
+ * mapping; touching a page past the new end raises SIGBUS on the copying
+ * thread. A guarded copy runs copy_span with this thread's jump buffer set and
+ * the engine's runs recorded; the process-wide handler jumps back out when the
+ * fault is on such a thread and its address lies in one of those runs, so the
+ * copy fails as truncated. Any other SIGBUS goes to the handler installed
+ * before ours (Python's faulthandler under pytest), or kills the process as it
+ * would have without us. SA_NODEFER: the jump leaves the handler without
+ * sigreturn, and SIGBUS must not stay blocked on that thread (a second fault
+ * while blocked is fatal), so the jump buffer need not save the signal mask
+ * (no sigprocmask call per copy). */
+typedef struct {
+    sigjmp_buf env;
+    volatile int on;
+    const kvsvc_run *runs;
+    size_t nruns;
+} guard_state;
+
+static __thread guard_state guard;
+static struct sigaction prev_bus;
+static pthread_mutex_t install_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_bus(int sig, siginfo_t *si, void *ctx) {
+    guard_state *g = &guard;
+    if (g->on && si != NULL && si->si_code > 0) { /* > 0: raised by the kernel for a fault */
+        uintptr_t at = (uintptr_t)si->si_addr;
+        for (size_t i = 0; i < g->nruns; i++) {
+            if (at >= g->runs[i].addr && at - g->runs[i].addr < g->runs[i].n) {
+                g->on = 0;
+                siglongjmp(g->env, 1);
+            }
+        }
+    }
+    if (prev_bus.sa_flags & SA_SIGINFO) {
+        if (prev_bus.sa_sigaction != NULL) {
+            prev_bus.sa_sigaction(sig, si, ctx);
+            return;
+        }
+    } else if (prev_bus.sa_handler != SIG_DFL && prev_bus.sa_handler != SIG_IGN) {
+        prev_bus.sa_handler(sig);
+        return;
+    }
+    /* No handler before ours: the default action. Returning re-runs the faulting
+     * instruction, which faults again and now kills the process; a SIGBUS sent
+     * by kill() is raised again. */
+    signal(SIGBUS, SIG_DFL);
+    if (si == NULL || si->si_code <= 0) raise(SIGBUS);
+}
+
+/* Our handler is installed, once, and again if something replaced it since
+ * (faulthandler enabled later): it then chains to that one. Returns 0 if the
+ * handler could not be installed (the caller then does not map). */
+int kvsvc_guard_install(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) return 0;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_bus) return 1;
+    pthread_mutex_lock(&install_lock);
+    int ok = 1;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) {
+        ok = 0;
+    } else if (!((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_bus)) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_bus;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        prev_bus = cur;
+        ok = sigaction(SIGBUS, &sa, NULL) == 0;
+    }
+    pthread_mutex_unlock(&install_lock);
+    return ok;
+}
+
+/* copy_span with the guard set: -2 if a page of the runs faulted (the file was
+ * truncated under the mapping), else copy_span's result. */
+static long guarded_span(const kvsvc_run *runs, size_t nruns, unsigned char *chunk, uint64_t lo,
+                         uint64_t hi, uint64_t seg, int to_store, uint32_t *digests,
+                         uint32_t *got, int stream) {
+    guard_state *g = &guard;
+    g->runs = runs;
+    g->nruns = nruns;
+    if (sigsetjmp(g->env, 0) != 0) return -2; /* on_bus jumped here: g->on is 0 */
+    g->on = 1;
+    long failed = copy_span(runs, nruns, chunk, lo, hi, seg, to_store, digests, got, stream);
+    g->on = 0;
+    return failed;
+}
+
+/* kvsvc_copy_segments on memory that may fault: -2 when it did. */
+long kvsvc_copy_segments_guarded(const kvsvc_run *runs, size_t nruns, unsigned char *chunk,
+                                 uint64_t lo, uint64_t hi, uint64_t seg, int to_store,
+                                 uint32_t *digests, uint32_t *got) {
+    if (!kvsvc_guard_install()) return -2;
+    int stream = nt && (to_store || hi - lo >= NT_LOAD_MIN);
+    long failed = guarded_span(runs, nruns, chunk, lo, hi, seg, to_store, digests, got, stream);
+#ifdef HAVE_FOLD
+    if (stream) _mm_sfence();
+#endif
+    return failed;
+}
+
+/* kvsvc_copy_claim on memory that may fault: a fault stops every task as a
+ * failed check does, and returns -2. */
+long kvsvc_copy_claim_guarded(const kvsvc_run *runs, size_t nruns, unsigned char *chunk,
+                              uint64_t size, uint64_t seg, int to_store, uint32_t *digests,
+                              uint32_t *got, uint64_t *ranges, const uint32_t *starts,
+                              size_t nranges, size_t me, uint8_t *owner, uint64_t share) {
+    if (!kvsvc_guard_install()) return -2;
+    int stream = nt && (to_store || share >= NT_LOAD_MIN);
+    long failed = -1;
+    uint32_t s;
+    for (;;) {
+        int found = claim(&ranges[me], starts[me], 0, &s);
+        for (size_t k = 1; !found && k < nranges; k++)
+            found = claim(&ranges[(me + k) % nranges], starts[(me + k) % nranges], 1, &s);
+        if (!found) break;
+        uint64_t lo = (uint64_t)s * seg, hi = lo + seg < size ? lo + seg : size;
+        owner[s] = (uint8_t)(me + 1);
+        long r = guarded_span(runs, nruns, chunk, lo, hi, seg, to_store, digests + s, got, stream);
+        if (r != -1) {
+            failed = r == -2 ? -2 : (long)s;
             for (size_t k = 0; k < nranges; k++) { /* nobody claims more */
                 uint64_t v = __atomic_load_n(&ranges[k], __ATOMIC_ACQUIRE);
                 while (!__atomic_compare_exchange_n(&ranges[k], &v, (v >> 32) << 32 | (v >> 32), 0,
