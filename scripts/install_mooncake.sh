@@ -16,7 +16,8 @@ source scripts/apt.sh
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 apt_install_missing "$logs" libibverbs1 >/dev/null
-have=$("$py" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+# pip show exits 1 when the package is absent (a fresh venv): not an error here.
+have=$({ "$py" -m pip show "$name" 2>/dev/null || true; } | sed -n 's/^Version: //p')
 if [ "$have" != "$version" ] || [ ! -x "$(dirname "$py")/mooncake_master" ]; then
   echo "install_mooncake: installing $name==$version into $(dirname "$py")"
   "$py" -m pip install -q "$name==$version"
