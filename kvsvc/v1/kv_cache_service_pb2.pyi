@@ -1676,6 +1676,8 @@ class DropNamespaceResult(_message.Message):
     S3_OBJECTS_FIELD_NUMBER: _builtins.int
     S3_BYTES_FIELD_NUMBER: _builtins.int
     S3_COMPLETE_FIELD_NUMBER: _builtins.int
+    MOONCAKE_VALUES_FIELD_NUMBER: _builtins.int
+    MOONCAKE_COMPLETE_FIELD_NUMBER: _builtins.int
     dropped_chunks: _builtins.int
     """Chunks dropped from the memory store, and their bytes."""
     dropped_bytes: _builtins.int
@@ -1701,6 +1703,16 @@ class DropNamespaceResult(_message.Message):
     object within the call's deadline; what is left stays under the namespace's
     prefix (a bucket lifecycle rule on it removes it).
     """
+    mooncake_values: _builtins.int
+    """Values removed from the Mooncake tier under the namespace's keys, every
+    node's, as the master counted them (0 without the tier). Their bytes are not
+    known: the master's removal reports a count only.
+    """
+    mooncake_complete: _builtins.bool
+    """False when the server has a Mooncake tier and the master did not answer the
+    removal within the call's deadline, or failed it: what is left stays in
+    Mooncake until it evicts it (a removal given up on may still end later).
+    """
     def __init__(
         self,
         *,
@@ -1714,10 +1726,12 @@ class DropNamespaceResult(_message.Message):
         s3_objects: _builtins.int = ...,
         s3_bytes: _builtins.int = ...,
         s3_complete: _builtins.bool = ...,
+        mooncake_values: _builtins.int = ...,
+        mooncake_complete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "dropped_bytes", b"dropped_bytes", "dropped_chunks", b"dropped_chunks", "redis_complete", b"redis_complete", "redis_keys", b"redis_keys", "s3_bytes", b"s3_bytes", "s3_complete", b"s3_complete", "s3_objects", b"s3_objects", "server_start_id", b"server_start_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "dropped_bytes", b"dropped_bytes", "dropped_chunks", b"dropped_chunks", "mooncake_complete", b"mooncake_complete", "mooncake_values", b"mooncake_values", "redis_complete", b"redis_complete", "redis_keys", b"redis_keys", "s3_bytes", b"s3_bytes", "s3_complete", b"s3_complete", "s3_objects", b"s3_objects", "server_start_id", b"server_start_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

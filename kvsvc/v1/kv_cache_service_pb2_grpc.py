@@ -176,8 +176,8 @@ class KVCacheServiceServicer:
         """Drops every chunk of one of the caller's namespaces at once (e.g. a user
         deleted, one cache salt's namespace): from memory (a chunk being read is
         freed by its last reader; one being written is not kept) and from the disk,
-        Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-        REMOVAL_REASON_DROPPED.
+        Redis, S3 and Mooncake tiers the server has. Removals are announced on
+        WatchEvents with REMOVAL_REASON_DROPPED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

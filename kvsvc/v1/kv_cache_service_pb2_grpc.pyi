@@ -72,8 +72,8 @@ class KVCacheServiceStub:
     """Drops every chunk of one of the caller's namespaces at once (e.g. a user
     deleted, one cache salt's namespace): from memory (a chunk being read is
     freed by its last reader; one being written is not kept) and from the disk,
-    Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-    REMOVAL_REASON_DROPPED.
+    Redis, S3 and Mooncake tiers the server has. Removals are announced on
+    WatchEvents with REMOVAL_REASON_DROPPED.
     """
 
 @_typing.type_check_only
@@ -120,8 +120,8 @@ class KVCacheServiceAsyncStub(KVCacheServiceStub):
     """Drops every chunk of one of the caller's namespaces at once (e.g. a user
     deleted, one cache salt's namespace): from memory (a chunk being read is
     freed by its last reader; one being written is not kept) and from the disk,
-    Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-    REMOVAL_REASON_DROPPED.
+    Redis, S3 and Mooncake tiers the server has. Removals are announced on
+    WatchEvents with REMOVAL_REASON_DROPPED.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -225,8 +225,8 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         """Drops every chunk of one of the caller's namespaces at once (e.g. a user
         deleted, one cache salt's namespace): from memory (a chunk being read is
         freed by its last reader; one being written is not kept) and from the disk,
-        Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-        REMOVAL_REASON_DROPPED.
+        Redis, S3 and Mooncake tiers the server has. Removals are announced on
+        WatchEvents with REMOVAL_REASON_DROPPED.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -48,8 +48,8 @@ type KVCacheServiceClient interface {
 	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
 	// deleted, one cache salt's namespace): from memory (a chunk being read is
 	// freed by its last reader; one being written is not kept) and from the disk,
-	// Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-	// REMOVAL_REASON_DROPPED.
+	// Redis, S3 and Mooncake tiers the server has. Removals are announced on
+	// WatchEvents with REMOVAL_REASON_DROPPED.
 	DropNamespace(ctx context.Context, in *DropNamespaceRequest, opts ...grpc.CallOption) (*DropNamespaceResponse, error)
 }
 
@@ -231,8 +231,8 @@ type KVCacheServiceServer interface {
 	// Drops every chunk of one of the caller's namespaces at once (e.g. a user
 	// deleted, one cache salt's namespace): from memory (a chunk being read is
 	// freed by its last reader; one being written is not kept) and from the disk,
-	// Redis and S3 tiers the server has. Removals are announced on WatchEvents with
-	// REMOVAL_REASON_DROPPED.
+	// Redis, S3 and Mooncake tiers the server has. Removals are announced on
+	// WatchEvents with REMOVAL_REASON_DROPPED.
 	DropNamespace(context.Context, *DropNamespaceRequest) (*DropNamespaceResponse, error)
 	mustEmbedUnimplementedKVCacheServiceServer()
 }
