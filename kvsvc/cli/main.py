@@ -106,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     drop = sub.add_parser(
         "drop-namespace",
         help="drop every chunk of one namespace (e.g. a deleted user's cache salt)",
-        description="Drop every chunk of NAMESPACE on the server at --target, from memory, "
-        "disk and Redis (DropNamespace); a tenant drops only its own namespaces.",
+        description="Drop every chunk of NAMESPACE on the server at --target, from memory "
+        "and every tier it has: disk, Redis, S3, Mooncake (DropNamespace); a tenant drops "
+        "only its own namespaces.",
     )
     drop.add_argument("namespace", help="the namespace, as the caller's other calls name it")
     drop.add_argument(
@@ -196,9 +197,15 @@ def _drop_namespace(args: argparse.Namespace) -> int:
         dropped.append(f"{r.redis_keys} keys from Redis")
     if r.s3_objects:
         dropped.append(f"{r.s3_objects} objects ({r.s3_bytes} bytes) from S3")
+    if r.mooncake_values:
+        dropped.append(f"{r.mooncake_values} values from Mooncake")
     unfinished = [
         f"; the {tier} did not finish: run it again"
-        for tier, complete in (("Redis scan", r.redis_complete), ("S3 deletes", r.s3_complete))
+        for tier, complete in (
+            ("Redis scan", r.redis_complete),
+            ("S3 deletes", r.s3_complete),
+            ("Mooncake removal", r.mooncake_complete),
+        )
         if not complete
     ]
     said = f"{args.namespace}: dropped {', '.join(dropped)}{''.join(unfinished)}"

@@ -390,8 +390,8 @@ def drop_namespace(
     c: Core, namespace: str, *, timeout: Timeout = DEFAULT
 ) -> Steps[pb.DropNamespaceResult]:
     """Drop every chunk of one of the caller's namespaces, in every tier the server
-    has (``redis_complete`` / ``s3_complete`` False: Redis / S3 did not finish
-    within the deadline)."""
+    has (``redis_complete`` / ``s3_complete`` / ``mooncake_complete`` False:
+    Redis / S3 / Mooncake did not finish within the deadline)."""
     req = pb.DropNamespaceRequest(header=_header(), namespace=namespace)
     return (yield from _send(c._plan(DROP_NAMESPACE, req, timeout)))
 

@@ -3,8 +3,9 @@ two servers share chunks through Mooncake Store (bit-exact); the master killed
 mid-Retrieve, the peer holding the data killed mid-load, the master restarted
 empty: every call ends within its deadline as a success or a miss, health stays
 SERVING, nothing corrupt is loaded and no call hangs; a forged value under a
-kvsvc key is a miss. The tier contract tests (test_tier_contract) run against
-it too.
+kvsvc key is a miss; DropNamespace's reply counts the values the master removed,
+or says the removal did not finish. The tier contract tests (test_tier_contract)
+run against it too.
 
 Mooncake's transfer engine ignores loopback (it dials the first other
 interface), so these tests never run in the machine's own network namespace:
@@ -42,6 +43,7 @@ from test_tier_contract import (  # noqa: F401 - collected here, with this file'
     test_drop_namespace_forgets_the_tiers_copy,
 )
 
+from kvsvc.cli.main import main as kvsvc_cli
 from kvsvc.client import KVCacheClient
 from kvsvc.errors import Miss
 from kvsvc.server.config import ServerConfig
@@ -267,7 +269,9 @@ def forget_in_memory(st: ServerThread) -> None:
 
 
 # --- the scenarios ---
-def test_two_servers_share_chunks_and_a_forged_value_is_a_miss(master, server, tmp_path) -> None:
+def test_two_servers_share_chunks_and_a_forged_value_is_a_miss(
+    master, server, tmp_path, capsys
+) -> None:
     a = server("a", **master.settings(HOST_A))
     b = server("b", **master.settings(HOST_B))
     data = dict(items(4, b"s") + items(1, b"big", 3 << 20))
@@ -302,6 +306,15 @@ def test_two_servers_share_chunks_and_a_forged_value_is_a_miss(master, server, t
             with pytest.raises(Miss):
                 cb.get(NS, key, timeout=DEADLINE_S)
         assert series(b, "kvsvc_mooncake_rejected_values_total") >= 2
+
+        # DropNamespace says what the master removed: every node's values under the
+        # namespace (A's five, the forged and the copied one), named by the CLI.
+        capsys.readouterr()
+        assert kvsvc_cli(["drop-namespace", NS, "--target", a.address]) == 0
+        said = capsys.readouterr().out
+        assert "from memory, 7 values from Mooncake\n" in said and "did not finish" not in said
+        again = ca.drop_namespace(NS, timeout=DEADLINE_S)
+        assert (again.mooncake_values, again.mooncake_complete) == (0, True)
     assert health_status(b.address) == SERVING
     # docs/metrics.md's Mooncake rows are exactly the kvsvc_mooncake_* families.
     text = generate_latest(b.server.servicer.metrics.registry).decode()
@@ -414,6 +427,12 @@ def test_a_master_that_stops_answering_never_piles_up_calls(master, server) -> N
                 b, "kvsvc_mooncake_errors_total", kind="breaker_open"
             ) > 0  # fmt: skip
             assert health_status(b.address) == SERVING
+            # A drop the master does not answer in time is reported unfinished
+            # (another namespace's: the removal given up on runs once it answers).
+            t0 = time.monotonic()
+            r = cb.drop_namespace("elsewhere", timeout=1.0)
+            assert time.monotonic() - t0 < 1.5
+            assert (r.mooncake_values, r.mooncake_complete) == (0, False)
         finally:
             master.proc.send_signal(signal.SIGCONT)
 

@@ -7,8 +7,9 @@ into the namespace now are not kept when their copy ends. Disk: the files are
 forgotten at once and removed behind the writes already queued. Redis: its keys
 are scanned and unlinked within the call's deadline (``redis_complete`` says
 whether the scan ended). S3: the objects under the namespace's prefix are listed
-and deleted within it (``s3_complete``). Every removal is announced on WatchEvents with
-REMOVAL_REASON_DROPPED."""
+and deleted within it (``s3_complete``). Mooncake: one removal by the namespace's
+key pattern within it (``mooncake_complete``). Every removal is announced on
+WatchEvents with REMOVAL_REASON_DROPPED."""
 
 from __future__ import annotations
 
@@ -36,13 +37,16 @@ class Namespaces:
     ) -> pb.DropNamespaceResult:
         namespace = check_namespace(request.namespace, call)  # granted to the caller
         result = pb.DropNamespaceResult(
-            server_start_id=self.start_id, redis_complete=True, s3_complete=True
+            server_start_id=self.start_id,
+            redis_complete=True,
+            s3_complete=True,
+            mooncake_complete=True,
         )
         result.dropped_chunks, result.dropped_bytes = self.store.drop_namespace(namespace)
         await self.tiers.drop(namespace, call.deadline, result)
         log.info(
             "namespace %r dropped by tenant %s: %d chunks in memory, %d on disk, %d Redis keys%s, "
-            "%d S3 objects%s",
+            "%d S3 objects%s, %d Mooncake values%s",
             request.namespace[:256],
             call.tenant.name,
             result.dropped_chunks,
@@ -51,5 +55,7 @@ class Namespaces:
             "" if result.redis_complete else " (Redis scan not finished)",
             result.s3_objects,
             "" if result.s3_complete else " (S3 deletes not finished)",
+            result.mooncake_values,
+            "" if result.mooncake_complete else " (Mooncake removal not finished)",
         )
         return result

@@ -185,7 +185,9 @@ class MooncakeTier(Tier):
         """Remove every value under the namespace's keys (every server's: one
         ``remove_by_regex``, forced past Mooncake's read leases) within
         ``budget`` s; what a failing or slow master leaves is counted. A write in
-        flight meanwhile removes its own value once put (its chunk is discarded)."""
+        flight meanwhile removes its own value once put (its chunk is discarded).
+        ``mooncake_values`` is the master's count of values removed (it says no
+        bytes); ``mooncake_complete`` False where it failed or was given up on."""
         g = self.gate
         self.known.forget_namespace(namespace)
         pattern = drop_pattern(self.prefix, namespace)
@@ -200,6 +202,7 @@ class MooncakeTier(Tier):
             n = await g.run(remove, max(budget, 0.0), capped=False)
         except Failed:
             n = -1
+        result.mooncake_values, result.mooncake_complete = max(n, 0), n >= 0
         if n >= 0:
             g.add(dropped_values=n)
             log.debug("mooncake tier: %d values of a dropped namespace removed", n)
