@@ -50,7 +50,6 @@ from kvsvc.integrations.lmcache.direct import DirectPath
 from kvsvc.integrations.lmcache.held import Held, Prover, Unproven
 from kvsvc.integrations.lmcache.keys import Namespaces, chunk_key
 from kvsvc.integrations.lmcache.lanes import close_lanes
-from kvsvc.integrations.lmcache.reconnect import Reconnect
 from kvsvc.integrations.lmcache.staging import StagingPath
 
 log = logging.getLogger("kvsvc.lmcache")
@@ -118,9 +117,6 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._closed = False
         self.counters: dict[str, int] = {}
         self.prover = Prover(self.link, self._finish, cfg.reconnect_interval_s, cfg.fence_timeout_s)
-        self.reconnect = Reconnect(
-            self.link, lambda exc: self._failed("reconnect", exc), cfg.fence_timeout_s
-        )
         self.staging = StagingPath(self)
         self.arena: Arena | None = None
         self.direct: DirectPath | None = None
@@ -287,7 +283,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def _lookup(self, keys: list[Any], _objects: list[Any]) -> Any:
         bitmap = Bitmap(len(keys))
-        client = self.reconnect.client()
+        client = self.link.get()
         if client is None:
             self._count("lookups_skipped_down")
             return bitmap
@@ -433,7 +429,6 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         with self._lock:
             self._recent.clear()  # kvsvc may come back empty
         self.link.failed()
-        self.reconnect.failed()
         for lane in list(self.staging.lanes.values()):
             lane.mapping = None
         if self.arena is not None:
@@ -464,19 +459,13 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         arena = self.arena
         path = "direct" if arena is not None and not arena.refused else "staging"
         return {
-            "is_healthy": not self._closed
-            and down_s == 0
-            and not self.reconnect.unproven
-            and not barred
-            and not held,
+            "is_healthy": not self._closed and down_s == 0 and not barred and not held,
             "type": "KvsvcL2Adapter",
             "target": self.cfg.target,
             "namespace_prefix": self.cfg.namespace,
             "data_path": path,
             "staging_why": self.staging_why or (arena.refused if arena is not None else ""),
             "kvsvc_down_for_s": round(down_s, 3),
-            "kvsvc_unproven": self.reconnect.unproven,
-            "reconnect_probes": self.reconnect.probes,
             "barred_lanes": barred,
             "held_tasks": held,
             "unproven_transfers": sum(len(ids) for ids in barred.values())
@@ -497,7 +486,6 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             # Never given: LMCache keeps their objects (its own shutdown releases
             # them); a late copy lands in the file kvsvc holds open.
             log.warning("kvsvc: closed with %d tasks held (copies not proven ended)", len(held))
-        self.reconnect.close()
         self.link.close()
         close_lanes(list(self.staging.lanes.values()))
         self.staging.lanes.clear()
