@@ -11,7 +11,8 @@ whatever kvsvc did. Every kvsvc failure becomes what LMCache survives: a lookup
 reports absent, a load's bitmap has exactly the objects that were loaded and
 verified (kvsvc checks each chunk's CRC-32C as it copies it), a store is reported
 failed. After a failure kvsvc counts as down for ``reconnect_interval_s`` (absent,
-stores failed at once), then the adapter reconnects and maps its staging again.
+stores failed at once); then stores and loads reconnect and map their regions
+again, while lookups stay absent until a probe proves kvsvc back (reconnect.py).
 
 Data path, chosen at construction and said why: direct.py where LMCache's L1
 arena is a shared file kvsvc can take (arena.py; ``--shm-name``): kvsvc's server
@@ -50,6 +51,7 @@ from kvsvc.integrations.lmcache.direct import DirectPath
 from kvsvc.integrations.lmcache.held import Held, Prover, Unproven
 from kvsvc.integrations.lmcache.keys import Namespaces, chunk_key
 from kvsvc.integrations.lmcache.lanes import close_lanes
+from kvsvc.integrations.lmcache.reconnect import Reconnect
 from kvsvc.integrations.lmcache.staging import StagingPath
 
 log = logging.getLogger("kvsvc.lmcache")
@@ -117,6 +119,9 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._closed = False
         self.counters: dict[str, int] = {}
         self.prover = Prover(self.link, self._finish, cfg.reconnect_interval_s, cfg.fence_timeout_s)
+        self.reconnect = Reconnect(
+            self.link, lambda exc: self._failed("reconnect", exc), cfg.fence_timeout_s
+        )
         self.staging = StagingPath(self)
         self.arena: Arena | None = None
         self.direct: DirectPath | None = None
@@ -283,7 +288,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def _lookup(self, keys: list[Any], _objects: list[Any]) -> Any:
         bitmap = Bitmap(len(keys))
-        client = self.link.get()
+        client = self.reconnect.client()
         if client is None:
             self._count("lookups_skipped_down")
             return bitmap
@@ -429,6 +434,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         with self._lock:
             self._recent.clear()  # kvsvc may come back empty
         self.link.failed()
+        self.reconnect.failed()
         for lane in list(self.staging.lanes.values()):
             lane.mapping = None
         if self.arena is not None:
@@ -459,13 +465,19 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         arena = self.arena
         path = "direct" if arena is not None and not arena.refused else "staging"
         return {
-            "is_healthy": not self._closed and down_s == 0 and not barred and not held,
+            "is_healthy": not self._closed
+            and down_s == 0
+            and not self.reconnect.unproven
+            and not barred
+            and not held,
             "type": "KvsvcL2Adapter",
             "target": self.cfg.target,
             "namespace_prefix": self.cfg.namespace,
             "data_path": path,
             "staging_why": self.staging_why or (arena.refused if arena is not None else ""),
             "kvsvc_down_for_s": round(down_s, 3),
+            "kvsvc_unproven": self.reconnect.unproven,
+            "reconnect_probes": self.reconnect.probes,
             "barred_lanes": barred,
             "held_tasks": held,
             "unproven_transfers": sum(len(ids) for ids in barred.values())
@@ -486,6 +498,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             # Never given: LMCache keeps their objects (its own shutdown releases
             # them); a late copy lands in the file kvsvc holds open.
             log.warning("kvsvc: closed with %d tasks held (copies not proven ended)", len(held))
+        self.reconnect.close()
         self.link.close()
         close_lanes(list(self.staging.lanes.values()))
         self.staging.lanes.clear()

@@ -147,6 +147,16 @@ def test_kvsvc_killed_stopped_and_restarted_under_it(tmp_path: Path) -> None:
             assert not result.is_successful() and took < 10
         status = a.report_status()
         assert status["kvsvc_failures"] >= 1, status
+        # Past the down time a lookup still makes no call (a probe thread asks, one
+        # at a time): every lookup is skipped, none is the one to find kvsvc gone.
+        time.sleep(a.cfg.reconnect_interval_s * 1.5)
+        skipped = a.report_status()["lookups_skipped_down"]
+        for _ in range(5):
+            assert lookup(a, k, timeout_s=30)[0] == [False] * 6
+        status = a.report_status()
+        assert status["lookups_skipped_down"] == skipped + 5, status
+        assert status["reconnect_probes"] >= 1 and status["kvsvc_unproven"] is True, status
+        assert status["is_healthy"] is False, status
 
         srv = ServerProcess(shm, port=port)
         deadline = time.monotonic() + 60
@@ -172,7 +182,10 @@ def test_kvsvc_killed_stopped_and_restarted_under_it(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no hits after SIGCONT"
             time.sleep(0.3)
         assert [obj_bytes(x) for x in into] == [obj_bytes(x) for x in objs]
-        assert lookup(a, k)[0] == [True] * 6
+        # Lookups come back once the probe thread has had an answer.
+        while lookup(a, k)[0] != [True] * 6:
+            assert time.monotonic() < deadline, f"no lookup hits: {a.report_status()}"
+            time.sleep(0.1)
         assert a.report_status()["is_healthy"] is True
     finally:
         a.close()
