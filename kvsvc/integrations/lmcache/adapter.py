@@ -325,6 +325,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            self._count("lookup_calls")  # attempts, answered or not
             try:
                 n = client.lookup(ks[start:], namespace=ns, timeout=left)
             except DeadlineExceeded as exc:
