@@ -84,7 +84,16 @@ def _warn_untested() -> None:
 
 
 class _LmcacheLink(Link):
+    """Any failure it is told of (a task's, a mapping's, a probe's) also makes
+    lookups wait for the reconnect probe (``on_failed``)."""
+
     log = log
+    on_failed: Callable[[], None] | None = None
+
+    def failed(self) -> None:
+        super().failed()
+        if self.on_failed is not None:
+            self.on_failed()
 
 
 class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
@@ -122,6 +131,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self.reconnect = Reconnect(
             self.link, lambda exc: self._failed("reconnect", exc), cfg.fence_timeout_s
         )
+        self.link.on_failed = self.reconnect.failed
         self.staging = StagingPath(self)
         self.arena: Arena | None = None
         self.direct: DirectPath | None = None
@@ -435,7 +445,6 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         with self._lock:
             self._recent.clear()  # kvsvc may come back empty
         self.link.failed()
-        self.reconnect.failed()
         for lane in list(self.staging.lanes.values()):
             lane.mapping = None
         if self.arena is not None:
