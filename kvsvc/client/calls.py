@@ -66,6 +66,7 @@ from kvsvc.errors import (
 from kvsvc.framing import BATCH_BYTES
 from kvsvc.ids import new_request_id
 from kvsvc.limits import DEFAULT_CONTROL_DEADLINE_S, DEFAULT_TRANSFER_DEADLINE_S, validate_deadline
+from kvsvc.pidfds import ProcessWatch
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 
@@ -94,6 +95,7 @@ class Core:
         self.leases = Leases()
         self._fd_leases: dict[str, fdpass.FdLease] = {}
         self._fd_leases_lock = threading.Lock()
+        self._fd_lease_path: str | None = None  # the fd socket register_memfd last used
 
     def _fd_lease(self, path: str) -> fdpass.FdLease:
         """This client's lease connection to the fd socket at ``path``."""
@@ -101,7 +103,18 @@ class Core:
             lease = self._fd_leases.get(path)
             if lease is None:
                 lease = self._fd_leases[path] = fdpass.FdLease(path)
+            self._fd_lease_path = path
             return lease
+
+    def fd_server_watch(self, path: str | None = None) -> ProcessWatch | None:
+        """A watch of the server process that took this client's fds over its lease
+        to the fd socket at ``path`` (the one ``register_memfd`` last used when
+        None): once it has exited, none of its copies into or out of that memory
+        can still run. None where there is no such lease or the process cannot be
+        watched (another pid namespace, no pidfds)."""
+        with self._fd_leases_lock:
+            lease = self._fd_leases.get(path or self._fd_lease_path or "")
+        return None if lease is None else lease.server_watch()
 
     def _close_fd_leases(self) -> None:
         """Ends the leases: the server releases the mappings of memfds passed here."""

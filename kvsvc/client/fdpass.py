@@ -19,13 +19,19 @@ cannot see from another pid namespace. What the server does with it
 no server code, so an engine that imports the client imports none.
 
 Replies: ``b"\\0" + token`` or ``b"\\1" + RemoteError`` (the one error contract).
+
+``FdLease.server_watch`` watches the server process at the other end of a lease:
+a server that copies in place into memory it was passed (LMCache's L1 file) has
+ended its copies once that process exited, whether or not it ever answers again.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import select
 import socket
+import struct
 import threading
 
 from kvsvc.errors import (
@@ -36,6 +42,7 @@ from kvsvc.errors import (
 )
 from kvsvc.framing import ERROR_REPLY, FILE_LEASE_MAGIC, LEASE_MAGIC, MAGIC, TOKEN_REPLY
 from kvsvc.limits import FD_EXCHANGE_TIMEOUT_S
+from kvsvc.pidfds import ProcessWatch, pidfd
 from kvsvc.v1 import error_pb2
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -96,11 +103,45 @@ class FdLease:
                     self._retired.append(s)
                 raise
 
+    def server_watch(self) -> ProcessWatch | None:
+        """A watch of the server process holding this lease's connection: what was
+        passed over it lately went to that process. None without a connection, a
+        pid (the server in another pid namespace) or pidfds."""
+        with self._lock:
+            return None if self._sock is None else peer_watch(self._sock)
+
     def close(self) -> None:
         with self._lock:
             for s in [*self._retired, *([self._sock] if self._sock else [])]:
                 s.close()
             self._sock, self._retired = None, []
+
+
+def peer_watch(s: socket.socket) -> ProcessWatch | None:
+    """A watch of the process at the other end of the connected unix socket ``s``,
+    or None (pid 0: it is in another pid namespace; no pidfds here). The pid is
+    SO_PEERCRED's, taken at connect: the connection still open after the pidfd is
+    open proves that pid was still the peer's, not a later process's."""
+    try:
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, _, _ = struct.unpack("3i", creds)
+    fd = pidfd(pid)
+    if fd < 0:
+        return None
+    if not _quiet(s):
+        os.close(fd)
+        return None
+    return ProcessWatch(fd)
+
+
+def _quiet(s: socket.socket) -> bool:
+    """Whether ``s`` is open with nothing to read: the server only replies to a
+    request, so a hang-up, an error or stray bytes mean the peer may be gone."""
+    poller = select.poll()
+    poller.register(s.fileno(), select.POLLIN)
+    return not poller.poll(0)
 
 
 def _exchange(

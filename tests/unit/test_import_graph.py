@@ -16,7 +16,7 @@ import kvsvc
 PACKAGE = Path(kvsvc.__file__).resolve().parent
 #: Top-level modules both sides share; they import neither side.
 SHARED = {"kvsvc", "kvsvc.errors", "kvsvc.framing", "kvsvc.ids", "kvsvc.layout", "kvsvc.limits"}
-SHARED |= {"kvsvc.logs"}
+SHARED |= {"kvsvc.logs", "kvsvc.pidfds"}
 SHARED |= {f"kvsvc.errors.{m}" for m in ("classes", "envelope", "parsing", "reasons")}
 
 

@@ -490,6 +490,7 @@ class KvsvcL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "reconnect_probes": self.reconnect.probes,
             "barred_lanes": barred,
             "held_tasks": held,
+            "proven_by_exit": self.prover.proven_by_exit,
             "unproven_transfers": sum(len(ids) for ids in barred.values())
             + sum(len(ids) for ids in held.values()),
             "lanes": sorted(lane.name for lane in self.staging.lanes.values()),

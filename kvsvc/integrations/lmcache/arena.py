@@ -33,6 +33,7 @@ from kvsvc.client import KVCacheClient, MappingHandle
 from kvsvc.client.kvcache import rank_context
 from kvsvc.errors import InvalidRequest, KVServiceError, PermissionDenied, RegionUnavailable
 from kvsvc.integrations.common import Link
+from kvsvc.pidfds import ProcessWatch
 from kvsvc.v1 import kv_cache_service_pb2 as pb
 
 log = logging.getLogger("kvsvc.lmcache")
@@ -117,6 +118,9 @@ class ArenaMapping:
     object_bytes: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     mapping: MappingHandle | None = None
+    # The server process that took the file for ``mapping`` (None: cannot be
+    # watched): its exit proves its copies of this mapping ended (held.py).
+    server: ProcessWatch | None = None
 
 
 class Arena:
@@ -198,6 +202,7 @@ class Arena:
             token = client.register_memfd(self.file.fd, shared_file=True, timeout=timeout)
             region = self.region(entry.object_bytes, token)
             entry.mapping = client.map(namespace, [region], timeout=timeout)
+            entry.server = client.fd_server_watch()
         except (InvalidRequest, PermissionDenied, RegionUnavailable) as exc:
             # kvsvc will not take this file (fd passing off, another container's
             # view of it, ...): staging from now on, said once.

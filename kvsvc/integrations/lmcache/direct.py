@@ -223,6 +223,8 @@ class DirectPath:
                 if cut:
                     self.host._count("loads_cut_short")
             if outcome.unproven:
+                for u in outcome.unproven:
+                    u.server = entry.server  # the process that may still copy them
                 self.host._count("transfers_unproven")
                 entry.mapping = None
                 self.host._failed(

@@ -8,7 +8,9 @@ a task with a Store or Retrieve whose end is not proven (its deadline passed, th
 connection was lost mid-transfer, kvsvc stopped) is held: its result is kept and
 its eventfd is not signalled until a Fence of those transfers answers (every copy
 of them ended; an id the server had not seen is barred from ever starting), or
-kvsvc answers with another server start (the process that ran them is gone). Then
+kvsvc answers with another server start, or the server process that took the L1
+file is seen to have exited (the process that ran them is gone: a dead process
+copies nothing, so a kvsvc killed for good proves it too, with no call). Then
 the result is given: the objects whose transfers were proven, and nothing of the
 held ones. ``report_status`` lists the held tasks and their transfer ids.
 
@@ -28,6 +30,7 @@ from typing import Any
 from kvsvc.client import MappingHandle
 from kvsvc.errors import KVServiceError
 from kvsvc.integrations.common import Link
+from kvsvc.pidfds import ProcessWatch
 
 log = logging.getLogger("kvsvc.lmcache")
 
@@ -38,6 +41,8 @@ class Unproven:
 
     mapping: MappingHandle
     ids: list[str]
+    #: The server process that may still run them (None: cannot be watched).
+    server: ProcessWatch | None = None
 
 
 @dataclass
@@ -52,8 +57,9 @@ class Held:
 
 
 class Prover:
-    """Holds tasks and proves their transfers ended (Fence, or a new server start),
-    then gives their results through ``finish(kind, task_id, result)``."""
+    """Holds tasks and proves their transfers ended (Fence, a new server start, or
+    the exit of the server process that ran them), then gives their results
+    through ``finish(kind, task_id, result)``."""
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class Prover:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.proven = 0
+        self.proven_by_exit = 0  # unproven transfer sets proven by the server's exit
 
     def hold(self, held: Held) -> None:
         ids = sorted({i for u in held.unproven for i in u.ids})
@@ -131,6 +138,9 @@ class Prover:
 
     def _prove(self, h: Held) -> bool:
         """Whether every transfer of ``h`` is proven ended now (one try each)."""
+        h.unproven = self._unproven_by_a_live_server(h)
+        if not h.unproven:
+            return True
         client = self.link.get()
         if client is None:
             return False
@@ -146,6 +156,23 @@ class Prover:
                 left.append(u)
         h.unproven = left
         return not left
+
+    def _unproven_by_a_live_server(self, h: Held) -> list[Unproven]:
+        """``h``'s unproven transfers, less those whose server process has exited:
+        a dead process copies nothing, so they ended (no kvsvc call: it is down
+        for good or restarted, either way not the process that copied)."""
+        left = []
+        for u in h.unproven:
+            if u.server is not None and u.server.exited():
+                log.warning(
+                    "kvsvc: %s task %d: kvsvc's server process exited: its copies ended",
+                    h.kind,
+                    h.task_id,
+                )
+                self.proven_by_exit += 1
+            else:
+                left.append(u)
+        return left
 
     def close(self) -> list[Held]:
         """Stops proving; the tasks still held (LMCache is shutting down: its

@@ -43,6 +43,7 @@ from kvsvc.errors import (
     ServiceUnavailable,
 )
 from kvsvc.framing import FILE_LEASE_MAGIC, LEASE_MAGIC, MAGIC, error_reply, token_reply
+from kvsvc.pidfds import exited, pidfd
 from kvsvc.server.config import (
     FD_LEASES_MAX,
     FD_PEER_TIMEOUT_S,
@@ -52,7 +53,7 @@ from kvsvc.server.config import (
     FD_TOKENS_MAX,
     FD_TOKENS_PER_PEER_MAX,
 )
-from kvsvc.server.data.fdowners import Lease, Owner, PidOwner, SharedPidfd, exited, pidfd
+from kvsvc.server.data.fdowners import Lease, Owner, PidOwner, SharedPidfd
 from kvsvc.server.data.fdsocket import answers, restrict_socket
 
 log = logging.getLogger(__name__)

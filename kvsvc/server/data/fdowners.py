@@ -3,15 +3,17 @@ is not kept alive by the server's mapping: a lease connection (``Lease``: it own
 what was passed over it until it closes), else the passing process through a
 pidfd (``PidOwner``, one per region; ``SharedPidfd``, the broker's own, shared by
 every fd that process passed). A peer in another pid namespace has pid 0 here and
-no pidfd: no owner."""
+no pidfd: no owner. Pidfds themselves (opening one, whether its process exited)
+are kvsvc.pidfds', shared with the client, which watches the server the same way."""
 
 from __future__ import annotations
 
 import os
-import select
 import threading
 from dataclasses import dataclass
 from typing import Protocol
+
+from kvsvc.pidfds import exited
 
 
 class Owner(Protocol):
@@ -64,24 +66,3 @@ class SharedPidfd:
     pid: int
     fd: int
     refs: int = 0
-
-
-def pidfd(pid: int) -> int:
-    """A pidfd of ``pid``, or -1 where it cannot be had (a peer in another pid
-    namespace shows as pid 0; it may also have exited already)."""
-    if pid <= 0:
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return -1
-
-
-def exited(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` has exited (its pidfd is readable).
-    poll, not select: a server holding many fds has pidfds past FD_SETSIZE."""
-    if pidfd < 0:
-        return False
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))

@@ -6,6 +6,7 @@ in-process server where a stored byte is flipped or a copy is held mid-load)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from lmcache_objects import (
     plugin_spec,
     store,
     submit_load,
+    wait_fd,
 )
 from support import REPO, ServerProcess
 
@@ -461,12 +463,15 @@ def test_direct_a_deadline_mid_store_holds_the_task_until_a_fence(
         a.close()
 
 
-def test_direct_kvsvc_stopped_then_killed_and_restarted(tmp_path: Path, shm_l1: Any) -> None:
+def test_direct_kvsvc_stopped_then_killed_and_restarted(
+    tmp_path: Path, shm_l1: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kvsvc SIGSTOPped mid-load: the task is held (no result, unhealthy) however long
     it stays stopped; SIGCONT: a Fence proves the copies ended and the task
-    completes. Stopped again and then killed and restarted: the new server start
-    proves it. Killed with nothing in flight: every task completes at once. Hits
-    again after each."""
+    completes. Stopped again and then killed and restarted where the adapter cannot
+    watch kvsvc's process (no pidfds): the new server start proves it. Stopped and
+    killed for good: its exit proves it, no restart needed. Then, with nothing in
+    flight, every task completes at once. Hits again after each."""
     port = free_port()
     shm = tmp_path / "shm"
     shm.mkdir()
@@ -483,6 +488,16 @@ def test_direct_kvsvc_stopped_then_killed_and_restarted(tmp_path: Path, shm_l1: 
             assert time.monotonic() < deadline, a.report_status()
             time.sleep(0.3)
         assert [obj_bytes(x) for x in into] == [obj_bytes(x) for x in objs]
+
+    def held_load(srv: ServerProcess) -> int:
+        """A load submitted to a SIGSTOPped kvsvc, once it is held."""
+        srv.signal(signal.SIGSTOP)
+        task = submit_load(a, k, l1.objects(6, 64 * KIB))
+        deadline = time.monotonic() + 60
+        while f"load {task}" not in a.report_status()["held_tasks"]:
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.05)
+        return task
 
     try:
         assert store(a, k, objs)[0].is_successful()
@@ -501,27 +516,67 @@ def test_direct_kvsvc_stopped_then_killed_and_restarted(tmp_path: Path, shm_l1: 
             srv.signal(signal.SIGCONT)
         got, _ = _held_then_given(a, task)
         assert got == [False] * 6 or got == [True] * 6, got  # the copy may have ended in time
+        monkeypatch.delattr(os, "pidfd_open")  # the next mapping's server is not watched
         hits_again()
 
-        srv.signal(signal.SIGSTOP)
-        task = submit_load(a, k, l1.objects(6, 64 * KIB))
-        deadline = time.monotonic() + 60
-        while f"load {task}" not in a.report_status()["held_tasks"]:
-            assert time.monotonic() < deadline, a.report_status()
-            time.sleep(0.05)
+        task = held_load(srv)
         srv.kill()
-        assert a.query_load_result(task) is None  # killed: nobody proves it yet
+        assert a.query_load_result(task) is None  # killed, not watched: nobody proves it yet
         srv = ServerProcess(shm, port=port)
         got, _ = _held_then_given(a, task)
         assert got == [False] * 6
+        assert a.report_status()["proven_by_exit"] == 0
+        monkeypatch.undo()
         hits_again()
         assert a.report_status()["is_healthy"] is True
 
-        srv.kill()
+        task = held_load(srv)
+        srv.kill()  # for good: its exit proves its copies ended
+        got, _ = _held_then_given(a, task)
+        assert got == [False] * 6
+        status = a.report_status()
+        assert status["held_tasks"] == {} and status["proven_by_exit"] == 1, status
+
         got, took = load(a, k, l1.objects(6, 64 * KIB), timeout_s=30)
         assert got == [False] * 6 and took < 10
         assert not store(a, k, objs, timeout_s=30)[0].is_successful()
         assert a.report_status()["held_tasks"] == {}
+    finally:
+        a.close()
+        srv.kill()
+
+
+def test_direct_a_held_store_completes_when_kvsvc_dies_for_good(
+    tmp_path: Path, shm_l1: Any
+) -> None:
+    """A store whose copy kvsvc's ``transfer.copy`` failpoint stalls past its deadline
+    is held; kvsvc is then SIGKILLed and never restarted: no Fence can answer, but
+    its server process's exit proves its copies ended, so the store completes
+    (failed: LMCache releases its read locks), its eventfd signalled, and nothing
+    stays held."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    srv = ServerProcess(shm, env={"KVSVC_FAILPOINTS": "transfer.copy=sleep(600000)"})
+    l1 = shm_l1(4 << 20)
+    a = make_adapter(srv.address, l1, store_timeout_s=0.5, piece_mib=1)
+    try:
+        k, objs = keys("d-store-dies", 8), l1.objects(8, 64 * KIB, seed=18)
+        task = a.submit_store_task(k, objs)
+        deadline = time.monotonic() + 60
+        while f"store {task}" not in a.report_status()["held_tasks"]:
+            assert task not in a.pop_completed_store_tasks(), "completed without a hold"
+            assert time.monotonic() < deadline, a.report_status()
+            time.sleep(0.05)
+        assert a.report_status()["proven_by_exit"] == 0
+        srv.kill()
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + 60
+        while task not in done:
+            wait_fd(a.get_store_event_fd(), max(deadline - time.monotonic(), 0))
+            done.update(a.pop_completed_store_tasks())
+        assert not done[task].is_successful()
+        status = a.report_status()
+        assert status["held_tasks"] == {} and status["proven_by_exit"] == 1, status
     finally:
         a.close()
         srv.kill()
