@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     srv = ServerProcess(tmp_path_factory.mktemp("shm"), "--store-bytes", "128M")
     yield srv
     srv.kill()
+
+
+def wait_held(adapter: Any, task: str, pop: Callable[[], dict[int, Any]] | None = None) -> None:
+    """Until ``task`` ("<kind> <id>") shows in ``held_tasks``; with ``pop`` (the
+    kind's completed tasks), asserting it is not given meanwhile."""
+    deadline = time.monotonic() + 60
+    while task not in adapter.report_status()["held_tasks"]:
+        if pop is not None:
+            assert int(task.split()[1]) not in pop(), "completed without a hold"
+        assert time.monotonic() < deadline, adapter.report_status()
+        time.sleep(0.05)
 
 
 def test_lmcache_builds_it_from_the_plugin_spec(server: ServerProcess) -> None:
@@ -438,10 +450,7 @@ def test_direct_a_deadline_mid_store_holds_the_task_until_a_fence(
         try:
             task = a.submit_store_task(k, objs)
             deadline = time.monotonic() + 60
-            while f"store {task}" not in a.report_status()["held_tasks"]:
-                assert task not in a.pop_completed_store_tasks(), "completed without a hold"
-                assert time.monotonic() < deadline, a.report_status()
-                time.sleep(0.05)
+            wait_held(a, f"store {task}", a.pop_completed_store_tasks)
             assert a.report_status()["is_healthy"] is False
         finally:
             failpoints.load("")
@@ -493,10 +502,7 @@ def test_direct_kvsvc_stopped_then_killed_and_restarted(
         """A load submitted to a SIGSTOPped kvsvc, once it is held."""
         srv.signal(signal.SIGSTOP)
         task = submit_load(a, k, l1.objects(6, 64 * KIB))
-        deadline = time.monotonic() + 60
-        while f"load {task}" not in a.report_status()["held_tasks"]:
-            assert time.monotonic() < deadline, a.report_status()
-            time.sleep(0.05)
+        wait_held(a, f"load {task}")
         return task
 
     try:
@@ -506,10 +512,7 @@ def test_direct_kvsvc_stopped_then_killed_and_restarted(
         srv.signal(signal.SIGSTOP)
         try:
             task = submit_load(a, k, l1.objects(6, 64 * KIB))
-            deadline = time.monotonic() + 60
-            while f"load {task}" not in a.report_status()["held_tasks"]:
-                assert time.monotonic() < deadline, a.report_status()
-                time.sleep(0.05)
+            wait_held(a, f"load {task}")
             time.sleep(3.0)  # stopped past the deadline and several proof attempts
             assert a.query_load_result(task) is None, "given while kvsvc is stopped"
         finally:
@@ -562,11 +565,7 @@ def test_direct_a_held_store_completes_when_kvsvc_dies_for_good(
     try:
         k, objs = keys("d-store-dies", 8), l1.objects(8, 64 * KIB, seed=18)
         task = a.submit_store_task(k, objs)
-        deadline = time.monotonic() + 60
-        while f"store {task}" not in a.report_status()["held_tasks"]:
-            assert task not in a.pop_completed_store_tasks(), "completed without a hold"
-            assert time.monotonic() < deadline, a.report_status()
-            time.sleep(0.05)
+        wait_held(a, f"store {task}", a.pop_completed_store_tasks)
         assert a.report_status()["proven_by_exit"] == 0
         srv.kill()
         done: dict[int, Any] = {}
