@@ -32,6 +32,7 @@ CLIENT_MODULES = {
     "kvsvc.framing",
     "kvsvc.ids",
     "kvsvc.limits",
+    "kvsvc.pidfds",
     "kvsvc.v1",
     "kvsvc.v1.error_pb2",
     "kvsvc.v1.kv_cache_service_pb2",
@@ -43,6 +44,7 @@ NOT_COROUTINES = {
     "leased_blocks",
     "unproven_transfers",
     "presence",  # returns the index at once; it follows the stream in the background
+    "fd_server_watch",  # a pidfd and a poll(0) of the lease's socket: no wait
 }
 
 
