@@ -64,7 +64,14 @@ class Reconnect:
             return None
         return self.link.get()
 
+    @property
+    def probing(self) -> bool:
+        """Whether the probe thread runs (after ``close``, until its last probe ends)."""
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
+        """No probe starts after this; one in flight ends by its own deadline."""
         self._stop.set()
 
     def _ensure_probing(self) -> None:
